@@ -1,0 +1,114 @@
+"""`qkv.attention`: validate → plan → dispatch → kernel, and `qkv.dispatch` to see the choice."""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import AUTO, Decision, choose
+from .plan import from_4d, make_plan, to_4d
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: object = AUTO,
+    return_lse: bool = False,
+    return_weights: bool = False,
+):
+    """Exact scaled dot-product attention: `softmax(Q Kᵀ · scale + bias, masked) V`.
+
+    Args:
+        q: `(B, H, Nq, D)`, `(H, Nq, D)` or `(N, D)`.
+        k: `(B, Hkv, Nk, D)` in the same layout; `H % Hkv == 0` (grouped-query attention:
+            query head h reads key/value head `h // (H // Hkv)`; the repeat is never copied).
+        v: `(B, Hkv, Nk, Dv)`; Dv may differ from D.
+        mask: None; a bool tensor broadcastable to `(B, H, Nq, Nk)` where True = may attend;
+            or a float tensor of that shape added to the scaled scores (−inf excludes a pair).
+        causal: query i sees key j only when `j ≤ i + Nk − Nq` (bottom-right aligned, what
+            KV-cache decoding needs)::
+
+                Nq=2, Nk=4     keys 0 1 2 3
+                  query 0           x x x .
+                  query 1           x x x x
+
+            Combined with `mask` by logical and.
+        scale: multiplies Q Kᵀ; default `1/√D`. Must be finite and > 0.
+        dropout_p: probability of dropping each attention weight (kept ones are scaled by
+            `1/(1−p)`). The mask is drawn from torch's RNG, so `torch.manual_seed` repeats it,
+            and the backward sees exactly the entries the forward dropped. Applied whenever
+            > 0 (modules pass 0 in eval mode).
+        backend: "auto" (the fastest backend whose semantics match exactly), "sdpa", "tiled",
+            "reference", or a backend object such as `qkv.kernels.TiledBackend(64, 128)`.
+            A named backend that cannot run the request raises `NotImplementedError`.
+        return_lse: also return lse, the natural log of each row's softmax denominator,
+            `(B, H, Nq)` float32 (float64 for float64 inputs); differentiable.
+        return_weights: also return A `(B, H, Nq, Nk)` (before dropout); reference only.
+
+    Returns:
+        `out (B, H, Nq, Dv)` in the input dtype, or a tuple `(out, lse)`, `(out, weights)` or
+        `(out, lse, weights)`, all in the caller's layout.
+
+    If a row of the mask allows nothing, that row's output is 0, its lse is −inf and its
+    gradients are 0. A NaN or inf in a key/value position that a row may not see does not reach
+    that row. fp16/bf16 inputs are computed in fp32 and returned in the input dtype.
+    """
+    plan = make_plan(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        return_weights=return_weights,
+    )
+    q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
+    decision = choose(plan, q4, k4, v4, backend)
+    out, lse, weights = decision.backend.forward(plan, q4, k4, v4)
+    rank = plan.input_rank
+    result = [from_4d(out, rank)]
+    if return_lse:
+        result.append(from_4d(lse, rank))
+    if return_weights:
+        result.append(from_4d(weights, rank))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def dispatch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: object = AUTO,
+    return_lse: bool = False,
+    return_weights: bool = False,
+) -> Decision:
+    """Which backend `attention(q, k, v, **same_kwargs)` would run, and why not the others.
+
+    `print(qkv.dispatch(q, k, v, causal=True))` shows the choice and one reason per backend
+    passed over. Validates the arguments exactly as `attention` does.
+    """
+    plan = make_plan(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        return_weights=return_weights,
+        dropout_seed=0,
+    )
+    return choose(plan, to_4d(q), to_4d(k), to_4d(v), backend)

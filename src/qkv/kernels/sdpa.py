@@ -1,0 +1,75 @@
+"""`sdpa` backend: torch's `scaled_dot_product_attention`, only where its semantics equal ours.
+
+Differences it cannot hide, each a reason `why_not` gives:
+- its public API returns no lse and no weights;
+- it draws its own dropout mask from torch's RNG, not qkv's counter-based mask, so its dropout
+  is a different (if equally distributed) random function;
+- a NaN or ±inf in a masked-out key or value leaks into the output (0 · NaN inside its kernel);
+- a float mask must have q's dtype.
+Its `is_causal` is top-left aligned; for Nq ≠ Nk we pass the bottom-right rule as an explicit
+boolean mask instead (Nq × Nk bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..numerics import causal_allowed
+from ..plan import AttentionPlan
+from .base import Result
+
+_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+class SdpaBackend:
+    name = "sdpa"
+
+    def why_not(
+        self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> str | None:
+        if plan.return_weights:
+            return "torch SDPA cannot return the attention weights"
+        if plan.return_lse:
+            return "torch SDPA's public API returns no lse"
+        if plan.dropout_p > 0:
+            return (
+                "torch SDPA draws its own dropout mask; qkv's dropout mask is a function of "
+                "(seed, b, h, i, j) shared by the reference and tiled backends"
+            )
+        if plan.groups > 1 and not _HAS_GQA:
+            return f"this torch ({torch.__version__}) SDPA has no enable_gqa"
+        if plan.bias is not None and plan.bias.dtype != plan.dtype:
+            return f"torch SDPA needs a float mask of q's dtype {plan.dtype}, got {plan.bias.dtype}"
+        if plan.has_masking and not (
+            bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
+        ):
+            return (
+                "k or v holds NaN/inf and some positions are masked: torch SDPA would leak "
+                "them into the output (0 · NaN)"
+            )
+        return None
+
+    def forward(
+        self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> Result:
+        attn_mask = plan.mask if plan.mask is not None else plan.bias
+        is_causal = False
+        if plan.causal:
+            if plan.q_len == plan.kv_len and attn_mask is None:
+                is_causal = True  # top-left equals bottom-right when Nq == Nk
+            else:
+                rows = torch.arange(plan.q_len, device=q.device).unsqueeze(1)
+                cols = torch.arange(plan.kv_len, device=q.device)
+                allowed = causal_allowed(rows, cols, plan.causal_offset)
+                if attn_mask is None:
+                    attn_mask = allowed
+                elif attn_mask.dtype == torch.bool:
+                    attn_mask = attn_mask & allowed
+                else:
+                    attn_mask = attn_mask.masked_fill(~allowed, -torch.inf)
+        extra = {"enable_gqa": True} if plan.groups > 1 else {}
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=plan.scale, **extra
+        )
+        return out, None, None

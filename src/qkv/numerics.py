@@ -1,0 +1,44 @@
+"""Small numerical pieces every backend shares: the causal rule and a NaN-safe `P @ V`."""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_allowed(rows: torch.Tensor, cols: torch.Tensor, offset: int) -> torch.Tensor:
+    """Bottom-right aligned causal rule: query i may see key j when j ≤ i + offset.
+
+    `offset = Nk − Nq`. With Nq = 3, Nk = 5 (offset 2), x = may attend::
+
+        keys →   0 1 2 3 4
+        query 0  x x x . .
+        query 1  x x x x .
+        query 2  x x x x x
+
+    rows: `(Nq, 1)` int64, cols: `(Nk,)` int64; returns bool `(Nq, Nk)`.
+    """
+    return cols <= rows + offset
+
+
+def weighted_values(p: torch.Tensor, v: torch.Tensor, v_finite: bool) -> torch.Tensor:
+    """`p @ v`, where a weight of exactly 0 never lets a NaN or ±inf in `v` through.
+
+    Plain `p @ v` turns `0 · NaN` into NaN, so garbage in a masked-out value row (an unused
+    KV-cache slot, a padding token) would leak into every output row. When `v` is all finite
+    (`v_finite`, checked once per call by the caller) this is exactly `p @ v`. Otherwise the
+    finite part goes through the matmul and the non-finite entries are added back with IEEE
+    semantics only where their weight is positive: any NaN, or both +inf and −inf, gives NaN;
+    otherwise +inf or −inf.
+
+    p: `(..., M, N)`, v: `(..., N, Dv)` broadcastable batch dims; returns `(..., M, Dv)`.
+    """
+    if v_finite:
+        return p @ v
+    out = p @ torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    seen = (p > 0).to(p.dtype)
+    n_nan = seen @ torch.isnan(v).to(p.dtype)
+    n_pos = seen @ torch.isposinf(v).to(p.dtype)
+    n_neg = seen @ torch.isneginf(v).to(p.dtype)
+    out = torch.where(n_pos > 0, torch.inf, out)
+    out = torch.where(n_neg > 0, -torch.inf, out)
+    return torch.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), torch.nan, out)

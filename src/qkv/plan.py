@@ -1,0 +1,223 @@
+"""Validate a user's attention request once and carry it to a kernel as an `AttentionPlan`.
+
+Everything a kernel needs to know about the problem lives in the plan; kernels trust it and do
+not re-validate user input. Tensors themselves (q, k, v) travel beside the plan so that autograd
+sees them as ordinary arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """A validated attention problem in the canonical `(B, H, N, D)` layout."""
+
+    batch: int  # B
+    heads: int  # H, query heads
+    kv_heads: int  # Hkv, key/value heads; H % Hkv == 0
+    q_len: int  # Nq
+    kv_len: int  # Nk
+    head_dim: int  # D, of q and k
+    v_dim: int  # Dv, of v and of the output
+    scale: float  # multiplies Q Kᵀ; default 1/√D
+    causal: bool  # bottom-right aligned: query i sees keys j ≤ i + Nk − Nq
+    mask: torch.Tensor | None  # bool, 4-D, broadcastable to (B, H, Nq, Nk); True = may attend
+    bias: torch.Tensor | None  # float, 4-D, broadcastable to (B, H, Nq, Nk); added to scaled scores
+    dropout_p: float  # probability of dropping an attention weight
+    dropout_seed: int | None  # seed of the counter-based dropout mask; None when dropout_p == 0
+    return_lse: bool  # the caller wants lse
+    return_weights: bool  # the caller wants the attention matrix A
+    input_rank: int  # 2, 3 or 4: the rank the caller used, restored on the way out
+    dtype: torch.dtype  # dtype of q, k, v and of the output
+    device: torch.device  # device of every tensor in the problem
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 for plain multi-head attention)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def causal_offset(self) -> int:
+        """Query i may see key j when j ≤ i + causal_offset (bottom-right alignment)."""
+        return self.kv_len - self.q_len
+
+    @property
+    def has_masking(self) -> bool:
+        """True when some (query, key) pair may be excluded from the softmax."""
+        if self.causal or self.mask is not None:
+            return True
+        return self.bias is not None and bool(torch.isneginf(self.bias).any())
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """fp64 stays fp64; everything else accumulates in fp32."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+    return f"{type(x).__name__} {x!r}"
+
+
+def to_4d(x: torch.Tensor) -> torch.Tensor:
+    """View a `(N, D)` or `(H, N, D)` tensor as `(1, 1, N, D)` / `(1, H, N, D)`."""
+    while x.dim() < 4:
+        x = x.unsqueeze(0)
+    return x
+
+
+def from_4d(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """Undo `to_4d` on an output that starts with `(B, H)`: drop the dims the caller omitted."""
+    for _ in range(4 - rank):
+        x = x.squeeze(0)
+    return x
+
+
+def _check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+    return float(value)
+
+
+def _check_mask(
+    mask: object, target: tuple[int, int, int, int], device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Return (bool_mask, float_bias), each 4-D and broadcastable to `target`, or None."""
+    if mask is None:
+        return None, None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"mask must be a torch.Tensor (bool: True = may attend; float: added to the scores) "
+            f"or None, got {_describe(mask)}"
+        )
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(
+            f"mask must have dtype torch.bool (True = may attend) or a floating dtype "
+            f"(additive bias), got dtype={mask.dtype}"
+        )
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but q is on {device}; move it to {device}")
+    if mask.dim() > 4:
+        raise ValueError(
+            f"mask must have at most 4 dims, broadcastable to (B, H, Nq, Nk)={target}, "
+            f"got shape {tuple(mask.shape)}"
+        )
+    shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    for got, want in zip(shape4, target, strict=True):
+        if got not in (1, want):
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} is not broadcastable to (B, H, Nq, Nk)={target}"
+            )
+    mask4 = mask.reshape(shape4)
+    if mask.dtype == torch.bool:
+        return mask4, None
+    return None, mask4
+
+
+def make_plan(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    mask: object = None,
+    causal: object = False,
+    scale: object = None,
+    dropout_p: object = 0.0,
+    return_lse: object = False,
+    return_weights: object = False,
+    dropout_seed: int | None = None,
+) -> AttentionPlan:
+    """Check every argument of `qkv.attention` and build the plan (see its docstring)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {_describe(t)}")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)  # for type checkers
+    assert isinstance(v, torch.Tensor)
+    if q.dim() not in (2, 3, 4):
+        raise ValueError(
+            f"q must have shape (B, H, N, D), (H, N, D) or (N, D), got {q.dim()} dims: "
+            f"{tuple(q.shape)}"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != q.dim():
+            raise ValueError(
+                f"{name} must have the same number of dims as q ({q.dim()}), "
+                f"got {name}.shape={tuple(t.shape)} and q.shape={tuple(q.shape)}"
+            )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got dtype={t.dtype}"
+            )
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype={t.dtype} differs from q.dtype={q.dtype}; cast them")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it")
+    q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
+    B, H, Nq, D = q4.shape
+    Bk, Hkv, Nk, Dk = k4.shape
+    Bv, Hv, Nv, Dv = v4.shape
+    if Dk != D:
+        raise ValueError(
+            f"k's head dim must equal q's: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}"
+        )
+    if Bk != B or Bv != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}")
+    if Hv != Hkv or Nv != Nk:
+        raise ValueError(
+            f"k and v must share (B, Hkv, Nk): k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+        )
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(
+            f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} "
+            f"(grouped-query attention)"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {_describe(causal)}")
+    if scale is None:
+        scale_f = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    else:
+        scale_f = _check_number("scale", scale)
+        if not math.isfinite(scale_f) or scale_f <= 0:
+            raise ValueError(f"scale must be a finite number > 0, got scale={scale!r}")
+    p = _check_number("dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r} is out of range [0, 1)")
+    for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {_describe(flag)}")
+    bool_mask, bias = _check_mask(mask, (B, H, Nq, Nk), q.device)
+    if p > 0 and dropout_seed is None:
+        # Drawn from torch's RNG on q's device, so torch.manual_seed makes dropout repeatable.
+        gen_device = q.device if q.device.type != "meta" else "cpu"
+        dropout_seed = int(torch.randint(0, 2**62, (1,), device=gen_device).item())
+    return AttentionPlan(
+        batch=B,
+        heads=H,
+        kv_heads=Hkv,
+        q_len=Nq,
+        kv_len=Nk,
+        head_dim=D,
+        v_dim=Dv,
+        scale=scale_f,
+        causal=causal,
+        mask=bool_mask,
+        bias=bias,
+        dropout_p=p,
+        dropout_seed=dropout_seed if p > 0 else None,
+        return_lse=return_lse,
+        return_weights=return_weights,
+        input_rank=q.dim(),
+        dtype=q.dtype,
+        device=q.device,
+    )
