@@ -1,0 +1,95 @@
+"""`auto` picks the fastest exact backend and explains every rejection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+
+from .helpers import make_qkv
+
+
+@pytest.fixture
+def qkv3():
+    return make_qkv(B=1, H=4, Nq=9, Nk=12, D=8)
+
+
+def test_plain_request_goes_to_sdpa(qkv3):
+    d = qkv.dispatch(*qkv3)
+    assert d.name == "sdpa"
+    assert set(d.reasons) == {"tiled", "reference"}
+    assert "sdpa is preferred" in d.reasons["tiled"]
+
+
+def test_causal_with_nq_ne_nk_goes_to_sdpa_with_explicit_mask(qkv3):
+    q, k, v = qkv3
+    assert qkv.dispatch(q, k, v, causal=True).name == "sdpa"
+    got = qkv.attention(q, k, v, causal=True)
+    ref = qkv.attention(q, k, v, causal=True, backend="reference")
+    torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize(
+    "kwargs,chosen,why_not_sdpa",
+    [
+        (dict(return_lse=True), "tiled", "returns no lse"),
+        (dict(dropout_p=0.2), "tiled", "draws its own dropout mask"),
+        (dict(return_weights=True), "reference", "cannot return the attention weights"),
+    ],
+)
+def test_auto_reasons(qkv3, kwargs, chosen, why_not_sdpa):
+    d = qkv.dispatch(*qkv3, **kwargs)
+    assert d.name == chosen
+    assert why_not_sdpa in d.reasons["sdpa"]
+    text = str(d)
+    assert text.startswith(f"chosen: {chosen}") and "not sdpa: " in text
+
+
+def test_nan_in_masked_values_steers_auto_away_from_sdpa(qkv3):
+    q, k, v = qkv3
+    v = v.clone()
+    v[:, :, -1] = float("nan")
+    d = qkv.dispatch(q, k, v, causal=True)
+    assert d.name == "tiled" and "NaN/inf" in d.reasons["sdpa"]
+    assert qkv.dispatch(q, k, v).name == "sdpa"  # nothing masked: NaN propagates either way
+
+
+def test_float_mask_of_another_dtype_goes_to_tiled(qkv3):
+    q, k, v = qkv3
+    bias = torch.zeros(9, 12, dtype=torch.float64)
+    d = qkv.dispatch(q, k, v, mask=bias)
+    assert d.name == "tiled" and "float mask of q's dtype" in d.reasons["sdpa"]
+
+
+def test_float_mask_with_grad_goes_to_reference(qkv3):
+    q, k, v = qkv3
+    bias = torch.zeros(9, 12, requires_grad=True)
+    lse_request = qkv.dispatch(q, k, v, mask=bias, return_lse=True)
+    assert lse_request.name == "reference"
+    assert "does not differentiate a float mask" in lse_request.reasons["tiled"]
+    out = qkv.attention(q, k, v, mask=bias, return_lse=True)[0]
+    out.sum().backward()
+    assert bias.grad is not None
+
+
+def test_named_backend_decision(qkv3):
+    d = qkv.dispatch(*qkv3, backend="tiled")
+    assert d.name == "tiled"
+    assert d.reasons == {
+        "sdpa": "backend='tiled' was asked for",
+        "reference": "backend='tiled' was asked for",
+    }
+
+
+def test_auto_result_equals_chosen_backend(qkv3):
+    q, k, v = qkv3
+    for kwargs in (dict(), dict(return_lse=True), dict(causal=True, return_lse=True)):
+        name = qkv.dispatch(q, k, v, **kwargs).name
+        a = qkv.attention(q, k, v, **kwargs)
+        b = qkv.attention(q, k, v, backend=name, **kwargs)
+        pairs = zip(
+            a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True
+        )
+        for x, y in pairs:
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
