@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -125,41 +126,48 @@ def total_flops(n: int, causal: bool, backward: bool) -> float:
     return forward_flops(n, causal) * (3.5 if backward else 1.0)
 
 
-def timed_runs(
-    run: Callable[[], object], repeats: int, setup: Callable[[], None] | None = None
-) -> list[float]:
-    """Seconds per call of `run`, one untimed warm-up first; `setup` runs untimed before each."""
+def timed_runs(run: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds per call of `run`, after one untimed warm-up call."""
+    run()
     times = []
-    for i in range(repeats + 1):
-        if setup is not None:
-            setup()
+    for _ in range(repeats):
         start = time.perf_counter()
         run()
-        elapsed = time.perf_counter() - start
-        if i > 0:
-            times.append(elapsed)
+        times.append(time.perf_counter() - start)
     return times
 
 
-def time_attention(impl: str, n: int, causal: bool, backward: bool, repeats: int) -> list[float]:
-    """Times of the forward (no grad) or of forward + backward of `impl` at sequence length n."""
-    fn = IMPLEMENTATIONS[impl]
+def time_interleaved(
+    n: int, causal: bool, backward: bool, repeats: int, label: str
+) -> dict[str, list[float]]:
+    """Seconds per call of every implementation: forward (no grad) or forward + backward.
+
+    The implementations take turns (one warm-up call each, then round after round), so a burst
+    of load from another process on a shared machine hits all of them alike and their ratios
+    stay meaningful.
+    """
     q, k, v, grad = make_inputs(n, requires_grad=backward)
-    if not backward:
-
-        def forward() -> None:
-            with torch.no_grad():
-                fn(q, k, v, causal)
-
-        return timed_runs(forward, repeats)
 
     def clear_grads() -> None:
         q.grad = k.grad = v.grad = None
 
-    def forward_backward() -> None:
-        fn(q, k, v, causal).backward(grad)
-
-    return timed_runs(forward_backward, repeats, setup=clear_grads)
+    runners = {
+        impl: functools.partial(run_once, fn, q, k, v, grad, causal, backward)
+        for impl, fn in IMPLEMENTATIONS.items()
+    }
+    times: dict[str, list[float]] = {impl: [] for impl in runners}
+    for round_ in range(repeats + 1):  # round 0 is the warm-up
+        for impl, run in runners.items():
+            clear_grads()
+            start = time.perf_counter()
+            run()
+            elapsed = time.perf_counter() - start
+            if round_ > 0:
+                times[impl].append(elapsed)
+        done = "warm-up" if round_ == 0 else f"round {round_}/{repeats}"
+        latest = ", ".join(f"{impl} {t[-1] * 1e3:.0f}" for impl, t in times.items() if t)
+        progress(f"{label} {done}" + (f": {latest} ms" if latest else ""))
+    return times
 
 
 def matmul_gflops(size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS) -> float:
@@ -331,26 +339,28 @@ def progress(message: str) -> None:
 
 def measure_times(settings: Settings, default_repeats: int) -> list[Row]:
     rows = []
-    steps = len(settings.sizes) * len(MODES) * len(IMPLS) * 2
+    groups = len(settings.sizes) * len(MODES) * 2
     step = 0
     for n in settings.sizes:
         repeats = settings.repeats.get(n, default_repeats)
         for mode in MODES:
             causal = mode == "causal"
-            for impl in IMPLS:
-                times = {}
-                for backward in (False, True):
-                    step += 1
-                    t = time_attention(impl, n, causal, backward, repeats)
-                    times[backward] = [s * 1e3 for s in t]
-                    kind = "fwd+bwd" if backward else "fwd"
-                    ms = statistics.median(times[backward])
+            times = {}
+            for backward in (False, True):
+                step += 1
+                kind = "fwd+bwd" if backward else "fwd"
+                label = f"[time {step:2d}/{groups}] {mode:6s} N={n:5d} {kind:7s}"
+                times[backward] = time_interleaved(n, causal, backward, repeats, label)
+                for impl, t in times[backward].items():
+                    ms = statistics.median(t) * 1e3
                     rate = total_flops(n, causal, backward) / ms / 1e6
                     progress(
-                        f"[time {step:3d}/{steps}] {mode:6s} N={n:5d} {impl:5s} {kind:7s} "
-                        f"{ms:9.1f} ms  {rate:6.1f} GFLOP/s  (median of {repeats})"
+                        f"{label} {impl:5s} {ms:9.1f} ms  {rate:6.1f} GFLOP/s (median of {repeats})"
                     )
-                rows.append(Row(mode, n, impl, times[False], times[True]))
+            for impl in IMPLS:
+                fwd = [t * 1e3 for t in times[False][impl]]
+                fwdbwd = [t * 1e3 for t in times[True][impl]]
+                rows.append(Row(mode, n, impl, fwd, fwdbwd))
     return rows
 
 
@@ -452,7 +462,7 @@ def cpu_model() -> str:
 def machine_info() -> dict[str, object]:
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "uname": " ".join(platform.uname()),
+        "uname": " ".join(part for part in platform.uname() if part),
         "processor": platform.processor() or cpu_model(),
         "cpu_model": cpu_model(),
         "nproc": len(os.sched_getaffinity(0)),
@@ -521,6 +531,7 @@ def render(report: dict[str, object], rows: list[Row], longs: list[LongCheck]) -
     ceiling = report["ceiling"]
     settings = report["settings"]
     choices = report["auto_dispatch"]
+    load = report["load_average_1min"]
     repeats = ", ".join(f"{r} at N={n}" for n, r in settings["repeats_by_n"].items())
     lines = [
         "# Benchmarks",
@@ -534,6 +545,9 @@ def render(report: dict[str, object], rows: list[Row], longs: list[LongCheck]) -
         f"- **Software:** torch {info['torch']}, `torch.get_num_threads()` = "
         f"{info['torch_threads']}, Python {info['python']}",
         f"- **Command:** `{report['command']}` (total runtime {report['runtime_s'] / 60:.1f} min)",
+        f"- **Load:** 1-minute load average {load['start']:.2f} at the start, "
+        f"{load['end']:.2f} at the end, on {info['nproc']} CPUs (above the thread count means "
+        "other processes competed for the CPUs: absolute times suffer more than ratios)",
         f"- **Shapes:** fp32, B={BATCH}, H={HEADS}, D={HEAD_DIM}, Nq = Nk = N, CPU",
         "",
         "## Method",
@@ -546,7 +560,9 @@ def render(report: dict[str, object], rows: list[Row], longs: list[LongCheck]) -
         "causal).",
         "- Time: median of several repeats after one warm-up call "
         f"({repeats}); forward under `torch.no_grad()`, forward + backward as "
-        "`out.backward(grad)` with a fixed random `grad`, gradients cleared between repeats.",
+        "`out.backward(grad)` with a fixed random `grad`, gradients cleared between calls. "
+        "For each (N, mode, fwd | fwd+bwd) the four implementations take turns, round after "
+        "round, so that load from other processes hits them alike.",
         "- GFLOP/s by FlashAttention's count: forward `4·B·H·N²·D`, halved for causal; "
         "backward 2.5× forward, so forward + backward is 3.5× forward.",
         "- **×SDPA** = `time_sdpa / time_impl`, with SDPA measured in the same run on the same "
@@ -614,6 +630,7 @@ def main(argv: list[str] | None = None) -> None:
         probe_main(args.probe)
         return
     started = time.perf_counter()
+    load_start = os.getloadavg()[0]
     settings = QUICK if args.quick else FULL
     default_repeats = DEFAULT_REPEATS["quick" if args.quick else "full"]
     threads = torch.get_num_threads()
@@ -654,6 +671,7 @@ def main(argv: list[str] | None = None) -> None:
         "targets": [dataclasses.asdict(t) for t in targets],
     }
     report["runtime_s"] = time.perf_counter() - started
+    report["load_average_1min"] = {"start": load_start, "end": os.getloadavg()[0]}
     markdown = render(report, rows, longs)
     if args.out is None:
         print(markdown)
