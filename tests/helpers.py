@@ -13,7 +13,7 @@ BACKENDS = {
     "reference": "reference",
     "sdpa": "sdpa",
     "tiled": "tiled",
-    "tiled-small": TiledBackend(block_q=16, block_k=32),
+    "tiled-small": TiledBackend(block_q=16, block_k=32, max_rows=32, max_cols=32),
     "auto": "auto",
 }
 

@@ -72,6 +72,9 @@ def choose(
             reasons[name] = f"{chosen.name} is preferred (faster) and can run it"
             continue
         why = candidate.why_not(plan, q, k, v)
+        auto_skip = getattr(candidate, "auto_skip", None)
+        if why is None and auto_skip is not None:
+            why = auto_skip(plan)
         if why is None:
             chosen = candidate
         else:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from .dispatch import AUTO, Decision, choose
+from .masks import Mask
 from .plan import from_4d, make_plan, to_4d
+from .scores import ScoreMod
 
 
 def attention(
@@ -13,13 +15,14 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | Mask | None = None,
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: object = AUTO,
     return_lse: bool = False,
     return_weights: bool = False,
+    score_mod: ScoreMod | None = None,
 ):
     """Exact scaled dot-product attention: `softmax(Q Kᵀ · scale + bias, masked) V`.
 
@@ -29,7 +32,9 @@ def attention(
             query head h reads key/value head `h // (H // Hkv)`; the repeat is never copied).
         v: `(B, Hkv, Nk, Dv)`; Dv may differ from D.
         mask: None; a bool tensor broadcastable to `(B, H, Nq, Nk)` where True = may attend;
-            or a float tensor of that shape added to the scaled scores (−inf excludes a pair).
+            a float tensor of that shape added to the scaled scores (−inf excludes a pair); or
+            a structured `qkv.masks.Mask` (sliding window, document, …), which the tiled
+            backend turns into skipped tiles instead of an Nq×Nk tensor.
         causal: query i sees key j only when `j ≤ i + Nk − Nq` (bottom-right aligned, what
             KV-cache decoding needs)::
 
@@ -49,6 +54,8 @@ def attention(
         return_lse: also return lse, the natural log of each row's softmax denominator,
             `(B, H, Nq)` float32 (float64 for float64 inputs); differentiable.
         return_weights: also return A `(B, H, Nq, Nk)` (before dropout); reference only.
+        score_mod: a `qkv.scores.ScoreMod` applied to the scaled scores inside every tile
+            (ALiBi, soft-capping, a learnable relative bias), before masking.
 
     Returns:
         `out (B, H, Nq, Dv)` in the input dtype, or a tuple `(out, lse)`, `(out, weights)` or
@@ -68,6 +75,7 @@ def attention(
         dropout_p=dropout_p,
         return_lse=return_lse,
         return_weights=return_weights,
+        score_mod=score_mod,
     )
     q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
     decision = choose(plan, q4, k4, v4, backend)
@@ -86,13 +94,14 @@ def dispatch(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | Mask | None = None,
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: object = AUTO,
     return_lse: bool = False,
     return_weights: bool = False,
+    score_mod: ScoreMod | None = None,
 ) -> Decision:
     """Which backend `attention(q, k, v, **same_kwargs)` would run, and why not the others.
 
@@ -109,6 +118,7 @@ def dispatch(
         dropout_p=dropout_p,
         return_lse=return_lse,
         return_weights=return_weights,
+        score_mod=score_mod,
         dropout_seed=0,
     )
     return choose(plan, to_4d(q), to_4d(k), to_4d(v), backend)

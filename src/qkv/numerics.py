@@ -20,6 +20,15 @@ def causal_allowed(rows: torch.Tensor, cols: torch.Tensor, offset: int) -> torch
     return cols <= rows + offset
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True when `t` holds no NaN or ±inf. One reduction in the common case: a finite sum
+    proves it (a NaN or inf anywhere makes the sum non-finite); only a non-finite sum, which
+    huge finite values can also cause, pays for the element-wise check."""
+    if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float64 if t.is_cpu else None))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 def weighted_values(p: torch.Tensor, v: torch.Tensor, v_finite: bool) -> torch.Tensor:
     """`p @ v`, where a weight of exactly 0 never lets a NaN or ±inf in `v` through.
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .masks import Mask
+from .scores import ScoreMod
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -31,6 +34,8 @@ class AttentionPlan:
     causal: bool  # bottom-right aligned: query i sees keys j ≤ i + Nk − Nq
     mask: torch.Tensor | None  # bool, 4-D, broadcastable to (B, H, Nq, Nk); True = may attend
     bias: torch.Tensor | None  # float, 4-D, broadcastable to (B, H, Nq, Nk); added to scaled scores
+    mask_rule: Mask | None  # a structured qkv.masks.Mask, evaluated tile by tile
+    score_mod: ScoreMod | None  # applied to the scaled scores before masking
     dropout_p: float  # probability of dropping an attention weight
     dropout_seed: int | None  # seed of the counter-based dropout mask; None when dropout_p == 0
     return_lse: bool  # the caller wants lse
@@ -52,7 +57,7 @@ class AttentionPlan:
     @property
     def has_masking(self) -> bool:
         """True when some (query, key) pair may be excluded from the softmax."""
-        if self.causal or self.mask is not None:
+        if self.causal or self.mask is not None or self.mask_rule is not None:
             return True
         return self.bias is not None and bool(torch.isneginf(self.bias).any())
 
@@ -90,14 +95,18 @@ def _check_number(name: str, value: object) -> float:
 
 def _check_mask(
     mask: object, target: tuple[int, int, int, int], device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Return (bool_mask, float_bias), each 4-D and broadcastable to `target`, or None."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None, Mask | None]:
+    """Return (bool_mask, float_bias, rule): tensors 4-D and broadcastable to `target`."""
     if mask is None:
-        return None, None
+        return None, None, None
+    if isinstance(mask, Mask):
+        B, H, Nq, Nk = target
+        mask.check(Nq, Nk, batch=B, heads=H)
+        return None, None, mask
     if not isinstance(mask, torch.Tensor):
         raise TypeError(
-            f"mask must be a torch.Tensor (bool: True = may attend; float: added to the scores) "
-            f"or None, got {_describe(mask)}"
+            f"mask must be a torch.Tensor (bool: True = may attend; float: added to the scores), "
+            f"a qkv.masks.Mask, or None, got {_describe(mask)}"
         )
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         raise TypeError(
@@ -119,8 +128,8 @@ def _check_mask(
             )
     mask4 = mask.reshape(shape4)
     if mask.dtype == torch.bool:
-        return mask4, None
-    return None, mask4
+        return mask4, None, None
+    return None, mask4, None
 
 
 def make_plan(
@@ -134,6 +143,7 @@ def make_plan(
     dropout_p: object = 0.0,
     return_lse: object = False,
     return_weights: object = False,
+    score_mod: object = None,
     dropout_seed: int | None = None,
 ) -> AttentionPlan:
     """Check every argument of `qkv.attention` and build the plan (see its docstring)."""
@@ -196,7 +206,16 @@ def make_plan(
     for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {_describe(flag)}")
-    bool_mask, bias = _check_mask(mask, (B, H, Nq, Nk), q.device)
+    bool_mask, bias, rule = _check_mask(mask, (B, H, Nq, Nk), q.device)
+    if score_mod is not None:
+        if not isinstance(score_mod, ScoreMod):
+            raise TypeError(
+                f"score_mod must be a qkv.scores.ScoreMod or None, got {_describe(score_mod)}"
+            )
+        if score_mod.heads is not None and score_mod.heads != H:
+            raise ValueError(
+                f"score_mod {score_mod!r} is written for {score_mod.heads} heads, got H={H}"
+            )
     if p > 0 and dropout_seed is None:
         # Drawn from torch's RNG on q's device, so torch.manual_seed makes dropout repeatable.
         gen_device = q.device if q.device.type != "meta" else "cpu"
@@ -213,6 +232,8 @@ def make_plan(
         causal=causal,
         mask=bool_mask,
         bias=bias,
+        mask_rule=rule,
+        score_mod=score_mod,
         dropout_p=p,
         dropout_seed=dropout_seed if p > 0 else None,
         return_lse=return_lse,

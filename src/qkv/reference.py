@@ -1,7 +1,7 @@
 """The seed formula, step by step: the oracle every backend is judged against.
 
     S        = Q Kᵀ                      (B, H, Nq, Nk)
-    S_scaled = S · scale (+ float mask), disallowed pairs set to −inf
+    S_scaled = S · scale (+ float mask), then score_mod; disallowed pairs set to −inf
     A        = softmax(S_scaled) by rows (disallowed entries exactly 0; a row with nothing
                allowed is all 0)
     out      = A V                       (B, H, Nq, Dv)
@@ -17,8 +17,9 @@ from dataclasses import dataclass, fields
 import torch
 
 from .dropout import keep_mask, keep_scale
-from .numerics import causal_allowed, weighted_values
+from .numerics import all_finite, causal_allowed, weighted_values
 from .plan import AttentionPlan, from_4d, make_plan, to_4d
+from .scores import ScoreMod
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Steps:
     inputs); `out` is in the input dtype."""
 
     S: torch.Tensor  # Q Kᵀ, (…, Nq, Nk)
-    S_scaled: torch.Tensor  # S · scale + float mask; −inf where not allowed, (…, Nq, Nk)
+    S_scaled: torch.Tensor  # score_mod(S · scale + float mask); −inf where not allowed
     A: torch.Tensor  # row softmax of S_scaled; rows sum to 1, or to 0 when fully masked
     A_dropped: torch.Tensor  # A after dropout (kept weights scaled by 1/(1−p)); A when p = 0
     out: torch.Tensor  # A_dropped V, (…, Nq, Dv)
@@ -49,13 +50,19 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     S_scaled = S * plan.scale
     if plan.bias is not None:
         S_scaled = S_scaled + plan.bias.to(cdt)
+    if plan.score_mod is not None:
+        b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+        h = torch.arange(H, device=q.device).view(1, H, 1, 1)
+        pos = torch.arange(Nq, device=q.device).view(Nq, 1) + plan.causal_offset
+        S_scaled = plan.score_mod(S_scaled, b, h, pos, torch.arange(Nk, device=q.device))
     allowed = None
     if plan.causal:
         rows = torch.arange(Nq, device=q.device).unsqueeze(1)
         cols = torch.arange(Nk, device=q.device)
         allowed = causal_allowed(rows, cols, plan.causal_offset)
-    if plan.mask is not None:
-        allowed = plan.mask if allowed is None else allowed & plan.mask
+    for m in (plan.mask, plan.mask_rule.dense4(Nq, Nk, q.device) if plan.mask_rule else None):
+        if m is not None:
+            allowed = m if allowed is None else allowed & m
     if allowed is not None:
         S_scaled = torch.where(allowed, S_scaled, -torch.inf)
 
@@ -81,7 +88,7 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         keep = keep_mask(plan.dropout_seed, plan.dropout_p, bh, rows, cols)
         A_dropped = torch.where(keep, A * keep_scale(plan.dropout_p), 0.0)
 
-    v_finite = bool(torch.isfinite(v).all())
+    v_finite = all_finite(v)
     out = weighted_values(A_dropped.reshape(B, Hkv, G, Nq, Nk), v5, v_finite)
     out = out.reshape(B, H, Nq, plan.v_dim).to(plan.dtype)
     return Steps(S=S, S_scaled=S_scaled, A=A, A_dropped=A_dropped, out=out, lse=lse)
@@ -97,6 +104,7 @@ def steps(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    score_mod: ScoreMod | None = None,
 ) -> Steps:
     """Run the formula and return every intermediate (see `Steps`), in the caller's layout.
 
@@ -119,6 +127,7 @@ def steps(
         scale=scale,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        score_mod=score_mod,
     )
     st = compute(plan, to_4d(q), to_4d(k), to_4d(v))
     return Steps(**{f.name: from_4d(getattr(st, f.name), plan.input_rank) for f in fields(st)})
@@ -134,6 +143,7 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    score_mod: ScoreMod | None = None,
 ) -> torch.Tensor:
     """`steps(...).out`: the attention output computed by the plain formula."""
     return steps(
@@ -145,4 +155,5 @@ def attention(
         scale=scale,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        score_mod=score_mod,
     ).out

@@ -67,30 +67,33 @@ def test_backward_saves_no_score_matrix():
     out.sum().backward()
 
 
-def _count_score_tiles(monkeypatch):
+def _record_scores(monkeypatch):
     calls = []
     real = tiled_mod._Tiles.scores
 
-    def counting(self, s, i0, i1, j0, j1):
-        calls.append((i0, j0))
-        return real(self, s, i0, i1, j0, j1)
+    def recording(self, s, i0, i1, j0, j1, partial):
+        calls.append((i0, i1, j0, j1, partial))
+        return real(self, s, i0, i1, j0, j1, partial)
 
-    monkeypatch.setattr(tiled_mod._Tiles, "scores", counting)
+    monkeypatch.setattr(tiled_mod._Tiles, "scores", recording)
     return calls
 
 
-@pytest.mark.parametrize("nq,nk,expected", [(64, 64, 10), (32, 64, 7), (64, 32, 3)])
-def test_causal_skips_empty_tiles(monkeypatch, nq, nk, expected):
+@pytest.mark.parametrize("nq,nk,kept", [(64, 64, 10), (32, 64, 7), (64, 32, 3)])
+def test_causal_skips_empty_tiles(monkeypatch, nq, nk, kept):
     # 16×16 tiles. Nq=Nk=64: 4 rows of tiles, 1+2+3+4 = 10 of 16 computed. Bottom-right
     # alignment (query i sees j ≤ i + Nk − Nq): Nq=32, Nk=64 → row tiles see 3 and 4 key tiles
     # (7); Nq=64, Nk=32 → row tiles 0 and 1 see nothing, then 1 and 2 key tiles (3).
-    calls = _count_score_tiles(monkeypatch)
+    calls = _record_scores(monkeypatch)
     q, k, v = make_qkv(B=1, H=1, Nq=nq, Nk=nk, D=4, requires_grad=True)
-    out = qkv.attention(q, k, v, causal=True, backend=TiledBackend(16, 16))
-    assert len(calls) == expected
+    out = qkv.attention(q, k, v, causal=True, backend=TiledBackend(16, 16, max_rows=64, max_cols=64))
+    assert sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1, _ in calls) == kept * 16 * 16
+    # Only the diagonal tiles need the mask; the ones below it run without mask arithmetic.
+    masked = sum((r1 - r0) * (c1 - c0) for *_, part in calls for r0, r1, c0, c1 in part)
+    assert masked == min(nq, nk) // 16 * 16 * 16
     calls.clear()
     out.sum().backward()
-    assert len(calls) == expected
+    assert sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1, _ in calls) == kept * 16 * 16
     ref = qkv.attention(q, k, v, causal=True, backend="reference")
     torch.testing.assert_close(out, ref)
 

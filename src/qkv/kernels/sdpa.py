@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..numerics import causal_allowed
+from ..numerics import all_finite, causal_allowed
 from ..plan import AttentionPlan
 from .base import Result
 
@@ -37,16 +37,25 @@ class SdpaBackend:
                 "torch SDPA draws its own dropout mask; qkv's dropout mask is a function of "
                 "(seed, b, h, i, j) shared by the reference and tiled backends"
             )
+        if plan.score_mod is not None:
+            return "torch SDPA has no score modifiers"
         if plan.groups > 1 and not _HAS_GQA:
             return f"this torch ({torch.__version__}) SDPA has no enable_gqa"
         if plan.bias is not None and plan.bias.dtype != plan.dtype:
             return f"torch SDPA needs a float mask of q's dtype {plan.dtype}, got {plan.bias.dtype}"
-        if plan.has_masking and not (
-            bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
-        ):
+        if plan.has_masking and not (all_finite(k) and all_finite(v)):
             return (
                 "k or v holds NaN/inf and some positions are masked: torch SDPA would leak "
                 "them into the output (0 · NaN)"
+            )
+        return None
+
+    def auto_skip(self, plan: AttentionPlan) -> str | None:
+        """Why `auto` passes sdpa over although it could run the request (None: it doesn't)."""
+        if plan.mask_rule is not None:
+            return (
+                "a structured qkv.masks.Mask would reach torch SDPA only as a dense Nq×Nk mask; "
+                "tiled skips the empty tiles"
             )
         return None
 
@@ -54,6 +63,8 @@ class SdpaBackend:
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
         attn_mask = plan.mask if plan.mask is not None else plan.bias
+        if plan.mask_rule is not None:  # asked for by name: pay for the dense mask
+            attn_mask = plan.mask_rule.dense4(plan.q_len, plan.kv_len, q.device)
         is_causal = False
         if plan.causal:
             if plan.q_len == plan.kv_len and attn_mask is None:

@@ -17,7 +17,9 @@ backward recomputes P from the saved lse instead of storing A (FlashAttention-2,
 
 Work runs on all (batch, head) pairs of a tile at once as batched matrix products; grouped
 query heads share their key/value tile without copying it (the group is folded into the rows).
-Tiles that the causal mask empties are never computed; tiles it leaves whole skip the mask.
+Which tiles run is decided by `schedule.py`: tiles that the causal flag, a structured
+`qkv.masks.Mask` or a bool mask empty are never computed, tiles they leave whole skip the mask
+arithmetic, and kept tiles are grouped into runs so that each matmul spans many tiles.
 Base-2 exponentials are used because `exp2` is about three times faster than `exp` on the CPU.
 """
 
@@ -28,15 +30,18 @@ import math
 import torch
 
 from ..dropout import keep_mask, keep_scale
-from ..numerics import causal_allowed, weighted_values
+from ..numerics import all_finite, causal_allowed, weighted_values
 from ..plan import AttentionPlan
 from .base import Result
+from .schedule import Strip, strips, tile_kinds
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
-BLOCK_Q = 256  # query rows per tile (per head)
-BLOCK_K = 256  # keys per tile
+BLOCK_Q = 64  # query rows per tile of the layout (per head)
+BLOCK_K = 64  # keys per tile of the layout
+MAX_ROWS = 256  # most query rows (backward: keys) one matrix product spans
+MAX_COLS = 1024  # most keys (backward: query rows) one matrix product spans
 
 
 def _heads5(t: torch.Tensor | None, plan: AttentionPlan) -> torch.Tensor | None:
@@ -59,51 +64,86 @@ def _tile(t: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
 class _Tiles:
     """Per-call state shared by the forward and backward loops."""
 
-    def __init__(self, plan: AttentionPlan, q: torch.Tensor, block_q: int, block_k: int):
+    def __init__(self, plan: AttentionPlan, q: torch.Tensor, backend: TiledBackend):
         self.plan = plan
-        self.bq, self.bk = block_q, block_k
+        self.backend = backend
         self.cdt = plan.compute_dtype
         self.device = q.device
         self.mask5 = _heads5(plan.mask, plan)
         self.bias5 = _heads5(plan.bias, plan)
-        if plan.dropout_p > 0:
-            # b * H + h with h = hkv * G + g, laid out as the 5-D score tile.
-            self.bh5 = torch.arange(plan.batch * plan.heads, device=q.device).reshape(
-                plan.batch, plan.kv_heads, plan.groups, 1, 1
-            )
+        # b * H + h with h = hkv * G + g, laid out as the 5-D score tile.
+        self.bh5 = torch.arange(plan.batch * plan.heads, device=q.device).reshape(
+            plan.batch, plan.kv_heads, plan.groups, 1, 1
+        )
+        rule = plan.mask_rule
+        zero = torch.zeros(1, dtype=torch.long, device=q.device)
+        if rule is not None:
+            self.rule_b = self.bh5 // plan.heads if rule.batch else zero
+            self.rule_h = self.bh5 % plan.heads if rule.heads else zero
+        self.b5, self.h5 = self.bh5 // plan.heads, self.bh5 % plan.heads  # for score_mod
+        self.kinds = tile_kinds(plan, backend.block_q, backend.block_k)
 
-    def kv_end(self, i1: int) -> int:
-        """Keys past this index are invisible to every query row < i1."""
-        if not self.plan.causal:
-            return self.plan.kv_len
-        return max(0, min(self.plan.kv_len, i1 + self.plan.causal_offset))
+    def forward_strips(self) -> list[Strip]:
+        """Rows of query tiles with their runs of keys."""
+        b, p = self.backend, self.plan
+        return strips(self.kinds, b.block_q, b.block_k, p.q_len, p.kv_len, b.max_rows, b.max_cols)
 
-    def q_start(self, j0: int) -> int:
-        """First query-tile start whose rows can see key j0."""
-        if not self.plan.causal:
-            return 0
-        first_row = max(0, j0 - self.plan.causal_offset)
-        return (first_row // self.bq) * self.bq
+    def backward_strips(self) -> list[Strip]:
+        """Columns of key tiles with their runs of queries."""
+        b, p = self.backend, self.plan
+        return strips(self.kinds.T, b.block_k, b.block_q, p.kv_len, p.q_len, b.max_rows, b.max_cols)
 
-    def scores(self, s: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
-        """Apply bias and masks in place to a score tile `s (B, Hkv, G*n, w)` in log2 units.
+    def scores(
+        self,
+        s: torch.Tensor,
+        i0: int,
+        i1: int,
+        j0: int,
+        j1: int,
+        partial: list[tuple[int, int, int, int]],
+        track: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Turn raw scores `s (B, Hkv, G*n, w)` (log2 units, rows i0:i1, keys j0:j1) into what
+        the softmax sees, in place: add the bias, apply the score modifier, then mask only the
+        `partial` rectangles (absolute row0, row1, col0, col1).
 
-        Returns the 5-D view `(B, Hkv, G, n, w)`."""
+        Returns the 5-D view `(B, Hkv, G, n, w)` and, when `track` and a modifier is set, its
+        input x (a leaf, natural units) and output y for the backward's `autograd.grad`."""
         p = self.plan
         s5 = s.view(p.batch, p.kv_heads, p.groups, i1 - i0, j1 - j0)
         if self.bias5 is not None:
             s5.add_(_tile(self.bias5, i0, i1, j0, j1).to(self.cdt), alpha=LOG2E)
-        allowed = None
-        if p.causal and j1 - 1 > i0 + p.causal_offset:  # tile crosses the diagonal
-            rows = torch.arange(i0, i1, device=self.device).unsqueeze(1)
+        graph = None
+        if p.score_mod is not None:
+            x = s5 * LN2  # natural units: Q Kᵀ · scale + bias
+            rows = torch.arange(i0, i1, device=self.device).unsqueeze(1) + p.causal_offset
             cols = torch.arange(j0, j1, device=self.device)
+            with torch.set_grad_enabled(track):
+                x.requires_grad_(track)
+                y = p.score_mod(x, self.b5, self.h5, rows, cols)
+            s5.copy_(y.detach()).mul_(LOG2E)
+            graph = (x, y) if track else None
+        for r0, r1, c0, c1 in partial:
+            allowed = self.allowed(r0, r1, c0, c1)
+            if allowed is not None:
+                s5[..., r0 - i0 : r1 - i0, c0 - j0 : c1 - j0].masked_fill_(~allowed, -torch.inf)
+        return s5, graph
+
+    def allowed(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
+        """Which pairs of rows i0:i1 and keys j0:j1 may attend (broadcastable to 5-D)."""
+        p = self.plan
+        rows = torch.arange(i0, i1, device=self.device).unsqueeze(1)
+        cols = torch.arange(j0, j1, device=self.device)
+        allowed = None
+        if p.causal:
             allowed = causal_allowed(rows, cols, p.causal_offset)
         if self.mask5 is not None:
             m = _tile(self.mask5, i0, i1, j0, j1)
             allowed = m if allowed is None else allowed & m
-        if allowed is not None:
-            s5.masked_fill_(~allowed, -torch.inf)
-        return s5
+        if p.mask_rule is not None:
+            m = p.mask_rule.evaluate(self.rule_b, self.rule_h, rows, cols, p.q_len, p.kv_len)
+            allowed = m if allowed is None else allowed & m
+        return allowed
 
     def keep(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
         """Dropout keep-mask of a tile, `(B, Hkv, G, n, w)` bool."""
@@ -113,40 +153,45 @@ class _Tiles:
 
 
 def _forward(
-    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bq: int, bk: int
+    T: _Tiles, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = T.plan
     B, Hkv, G, Nq = plan.batch, plan.kv_heads, plan.groups, plan.q_len
     D, Dv = plan.head_dim, plan.v_dim
-    T = _Tiles(plan, q, bq, bk)
     cdt = T.cdt
+    lowest = torch.finfo(cdt).min
     lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
     qs = (q.to(cdt) * (plan.scale * LOG2E)).reshape(B, Hkv, G, Nq, D)  # (B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)  # (B, Hkv, Nk, D), (B, Hkv, Nk, Dv); no copy for fp32/64
-    v_finite = bool(torch.isfinite(vc).all())
-    out = torch.empty(B, Hkv, G, Nq, Dv, dtype=plan.dtype, device=q.device)
-    lse = torch.empty(B, Hkv, G, Nq, dtype=lse_dtype, device=q.device)
+    v_finite = all_finite(vc)
+    # Rows that no strip covers (every tile empty) keep output 0 and lse −inf.
+    out = torch.zeros(B, Hkv, G, Nq, Dv, dtype=plan.dtype, device=q.device)
+    lse = torch.full((B, Hkv, G, Nq), -torch.inf, dtype=lse_dtype, device=q.device)
     ks = keep_scale(plan.dropout_p)
 
-    for i0 in range(0, Nq, bq):
-        i1 = min(i0 + bq, Nq)
+    for strip in T.forward_strips():
+        i0, i1 = strip.start, strip.stop
         n = i1 - i0
         q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)  # (B, Hkv, G*n, D)
-        m = torch.full((B, Hkv, G * n, 1), -torch.inf, dtype=cdt, device=q.device)
-        l = torch.zeros(B, Hkv, G * n, 1, dtype=cdt, device=q.device)
-        acc = torch.zeros(B, Hkv, G * n, Dv, dtype=cdt, device=q.device)
-        kv_end = T.kv_end(i1)
-        for j0 in range(0, kv_end, bk):
-            j1 = min(j0 + bk, kv_end)
+        m = l = acc = None
+        for run in strip.runs:
+            j0, j1 = run.start, run.stop
             s = q_t @ kc[:, :, j0:j1].transpose(-1, -2)  # (B, Hkv, G*n, w) in log2 units
-            s5 = T.scores(s, i0, i1, j0, j1)
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            m_use = torch.where(torch.isneginf(m_new), 0.0, m_new)  # masked row: 2^−inf = 0
-            alpha = torch.exp2(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
-            s.sub_(m_use).exp2_()  # s is now P, the tile's unnormalised probabilities
-            l.mul_(alpha).add_(s.sum(dim=-1, keepdim=True))
+            s5, _ = T.scores(s, i0, i1, j0, j1, [(i0, i1, a, b) for a, b in run.partial])
+            m_run = s.amax(dim=-1, keepdim=True)
+            m_new = m_run if m is None else torch.maximum(m, m_run)
+            m_use = m_new.clamp(min=lowest)  # a row masked so far: 2^(−inf − lowest) = 0
+            s.sub_(m_use).exp2_()  # s is now P, the unnormalised probabilities of the run
+            l_run = s.sum(dim=-1, keepdim=True)
             if plan.dropout_p > 0:
                 s5.mul_(T.keep(i0, i1, j0, j1)).mul_(ks)
-            acc.mul_(alpha).add_(weighted_values(s, vc[:, :, j0:j1], v_finite))
+            pv = weighted_values(s, vc[:, :, j0:j1], v_finite)
+            if m is None:
+                l, acc = l_run, pv
+            else:
+                alpha = torch.exp2(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
+                l = l.mul_(alpha).add_(l_run)
+                acc = acc.mul_(alpha).add_(pv)
             m = m_new
         empty = l == 0
         o = acc / torch.where(empty, 1.0, l)
@@ -157,7 +202,7 @@ def _forward(
 
 
 def _backward(
-    plan: AttentionPlan,
+    T: _Tiles,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -165,19 +210,17 @@ def _backward(
     lse: torch.Tensor,
     dout: torch.Tensor | None,
     dlse: torch.Tensor | None,
-    bq: int,
-    bk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    plan = T.plan
     B, Hkv, G, Nq, Nk = plan.batch, plan.kv_heads, plan.groups, plan.q_len, plan.kv_len
     D, Dv = plan.head_dim, plan.v_dim
-    T = _Tiles(plan, q, bq, bk)
     cdt = T.cdt
     qs = (q.to(cdt) * (plan.scale * LOG2E)).reshape(B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)
     # Garbage in masked-out keys/values must not turn 0-weight gradients into NaN.
-    if not bool(torch.isfinite(kc).all()):
+    if not all_finite(kc):
         kc = torch.nan_to_num(kc, nan=0.0, posinf=0.0, neginf=0.0)
-    if not bool(torch.isfinite(vc).all()):
+    if not all_finite(vc):
         vc = torch.nan_to_num(vc, nan=0.0, posinf=0.0, neginf=0.0)
     if dout is None:
         do5 = torch.zeros(B, Hkv, G, Nq, Dv, dtype=cdt, device=q.device)
@@ -193,18 +236,22 @@ def _backward(
     dk = torch.zeros(B, Hkv, Nk, D, dtype=cdt, device=q.device)
     dv = torch.zeros(B, Hkv, Nk, Dv, dtype=cdt, device=q.device)
     ks = keep_scale(plan.dropout_p)
+    params = plan.score_mod.params if plan.score_mod is not None else ()
+    dparams = [torch.zeros_like(t) for t in params]
 
-    for j0 in range(0, Nk, bk):
-        j1 = min(j0 + bk, Nk)
+    for strip in T.backward_strips():
+        j0, j1 = strip.start, strip.stop
         k_t, v_t = kc[:, :, j0:j1], vc[:, :, j0:j1]  # (B, Hkv, w, D), (B, Hkv, w, Dv)
         dk_t, dv_t = dk[:, :, j0:j1], dv[:, :, j0:j1]
-        for i0 in range(T.q_start(j0), Nq, bq):
-            i1 = min(i0 + bq, Nq)
+        for run in strip.runs:
+            i0, i1 = run.start, run.stop
             n = i1 - i0
             q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
             do_t = do5[:, :, :, i0:i1].reshape(B, Hkv, G * n, Dv)
             s = q_t @ k_t.transpose(-1, -2)  # (B, Hkv, G*n, w)
-            T.scores(s, i0, i1, j0, j1)
+            _, graph = T.scores(
+                s, i0, i1, j0, j1, [(a, b, j0, j1) for a, b in run.partial], track=True
+            )
             p = s.sub_(lse2[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)).exp2_()  # P, exact
             dp = do_t @ v_t.transpose(-1, -2)  # dP of the (dropped) weights
             if plan.dropout_p > 0:
@@ -214,42 +261,68 @@ def _backward(
             else:
                 dv_t.add_(p.transpose(-1, -2) @ do_t)
             ds = dp.sub_(Di[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)).mul_(p)  # dS, natural
+            if graph is not None:  # back through the score modifier, into its parameters too
+                x, y = graph
+                grads = torch.autograd.grad(y, (x, *params), ds.view_as(y), allow_unused=True)
+                ds = grads[0].reshape(ds.shape)
+                for acc_g, g in zip(dparams, grads[1:], strict=True):
+                    if g is not None:
+                        acc_g.add_(g)
             dq[:, :, :, i0:i1].add_((ds @ k_t).view(B, Hkv, G, n, D))
             dk_t.add_(ds.transpose(-1, -2) @ q_t)
     dq = (dq * plan.scale).reshape(B, plan.heads, Nq, D)
     dk = dk * (1.0 / LOG2E)  # q_t carried scale · log2(e); dK needs scale only
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, bq, bk):  # type: ignore[override]
-        out, lse = _forward(plan, q, k, v, bq, bk)
+    def forward(ctx, q, k, v, tiles, *params):  # type: ignore[override]
+        out, lse = _forward(tiles, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.bq, ctx.bk = plan, bq, bk
+        ctx.tiles = tiles
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.plan, q, k, v, out, lse, dout, dlse, ctx.bq, ctx.bk)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv, dparams = _backward(ctx.tiles, q, k, v, out, lse, dout, dlse)
+        return dq, dk, dv, None, *dparams
 
 
 class TiledBackend:
-    """Our FlashAttention-2 in PyTorch. `block_q`/`block_k` set the tile (rows × keys)."""
+    """Our FlashAttention-2 in PyTorch.
+
+    `block_q × block_k` is the tile of the layout (the unit that can be skipped); a matrix
+    product spans at most `max_rows` query rows (or, in the backward, keys) and `max_cols` keys
+    (or queries) when consecutive kept tiles are merged."""
 
     name = "tiled"
 
-    def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
-        for arg, value in (("block_q", block_q), ("block_k", block_k)):
+    def __init__(
+        self,
+        block_q: int = BLOCK_Q,
+        block_k: int = BLOCK_K,
+        max_rows: int = MAX_ROWS,
+        max_cols: int = MAX_COLS,
+    ):
+        for arg, value in (
+            ("block_q", block_q),
+            ("block_k", block_k),
+            ("max_rows", max_rows),
+            ("max_cols", max_cols),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         self.block_q, self.block_k = block_q, block_k
+        self.max_rows, self.max_cols = max_rows, max_cols
 
     def __repr__(self) -> str:
-        return f"TiledBackend(block_q={self.block_q}, block_k={self.block_k})"
+        return (
+            f"TiledBackend({self.block_q}, {self.block_k}, max_rows={self.max_rows}, "
+            f"max_cols={self.max_cols})"
+        )
 
     def why_not(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -263,5 +336,6 @@ class TiledBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        out, lse = _TiledAttention.apply(q, k, v, plan, self.block_q, self.block_k)
+        params = plan.score_mod.params if plan.score_mod is not None else ()
+        out, lse = _TiledAttention.apply(q, k, v, _Tiles(plan, q, self), *params)
         return out, lse, None

@@ -1,0 +1,675 @@
+"""Mask algebra: which (query, key) pairs may attend, as small named rules.
+
+A `Mask` is a vectorised rule `(b, h, q, kv) -> bool` over broadcastable int64 index tensors.
+Compose masks with `&`, `|` and `~`::
+
+    longformer = masks.sliding_window(256) | masks.global_tokens([0, 1, 2])
+    qkv.attention(q, k, v, mask=longformer)
+
+Positions: `q` is a query's *position in key coordinates*. When Nq == Nk it is just the query
+index; when Nq < Nk the queries are the last Nq positions of the key sequence (bottom-right
+alignment, what KV-cache decoding needs): query row i has position `i + Nk − Nq`. So
+`masks.causal()` is exactly `causal=True`.
+
+Each rule may also know how to bound a whole tile of positions without looking at its
+elements (`maybe_any`: could any pair in the tile be allowed? `surely_all`: is every pair
+allowed?). `Mask.blocks()` uses these bounds to classify tiles as empty, partial or full without
+building the N×N matrix, which is what lets the tiled kernel skip work. The bounds are safe
+under composition: an uncertain tile is marked partial and its rule is applied element-wise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# rule(b, h, q, kv, n_k) -> bool tensor; b, h, q, kv broadcastable int64 tensors, n_k = Nk.
+Rule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# bounds(b, h, q_lo, q_hi, k_lo, k_hi, n_k) -> (maybe_any, surely_all); inclusive position ranges.
+Bounds = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Which tiles of the (Nq × Nk) score matrix hold allowed pairs.
+
+    `kind[b, h, i, j]` is EMPTY (0: nothing allowed, never computed), PARTIAL (1: apply the rule
+    element-wise) or FULL (2: everything allowed, no mask arithmetic) for query tile i (rows
+    `i·block_q …`) and key tile j. Batch and head dims are 1 when the mask does not depend on them.
+    """
+
+    kind: torch.Tensor  # int8 (Bm, Hm, ceil(Nq/block_q), ceil(Nk/block_k))
+    block_q: int  # query rows per tile
+    block_k: int  # keys per tile
+    q_len: int  # Nq
+    kv_len: int  # Nk
+
+    @property
+    def kept_fraction(self) -> float:
+        """Fraction of tiles that must be computed (partial or full)."""
+        return (self.kind != EMPTY).double().mean().item() if self.kind.numel() else 0.0
+
+    def show(self) -> str:
+        """A text picture of tile kinds (first batch/head): '#' full, '+' partial, '.' empty."""
+        chars = {EMPTY: ".", PARTIAL: "+", FULL: "#"}
+        rows = ["".join(chars[int(x)] for x in row) for row in self.kind[0, 0]]
+        return "\n".join(rows)
+
+
+def tile_grid(
+    nq: int, nk: int, block_q: int, block_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inclusive position ranges of every tile: q_lo, q_hi `(1, 1, nqb, 1)` (in key coordinates,
+    bottom-right aligned) and k_lo, k_hi `(1, 1, 1, nkb)`."""
+    nqb, nkb = -(-nq // block_q), -(-nk // block_k)
+    rows0 = torch.arange(nqb).view(1, 1, nqb, 1) * block_q
+    cols0 = torch.arange(nkb).view(1, 1, 1, nkb) * block_k
+    off = nk - nq
+    q_lo, q_hi = rows0 + off, torch.clamp(rows0 + block_q, max=nq) - 1 + off
+    k_lo, k_hi = cols0, torch.clamp(cols0 + block_k, max=nk) - 1
+    return q_lo, q_hi, k_lo, k_hi
+
+
+def classify(maybe_any: torch.Tensor, surely_all: torch.Tensor) -> torch.Tensor:
+    """Tile kinds (int8) from bounds: EMPTY where nothing may be allowed, FULL where everything
+    surely is, PARTIAL otherwise."""
+    kind = torch.full(maybe_any.shape, PARTIAL, dtype=torch.int8)
+    kind[surely_all & maybe_any] = FULL
+    kind[~maybe_any] = EMPTY
+    return kind
+
+
+class Mask:
+    """A named rule saying which (query, key) pairs may attend. Build with the functions of this
+    module (or `Mask(fn, name)` for a custom vectorised `fn(b, h, q, kv) -> bool`)."""
+
+    def __init__(
+        self,
+        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+        | None = None,
+        name: str = "custom",
+        *,
+        rule: Rule | None = None,
+        bounds: Bounds | None = None,
+        batch: int | None = None,
+        heads: int | None = None,
+        check: Callable[[int, int], None] | None = None,
+    ):
+        if (fn is None) == (rule is None):
+            raise TypeError("Mask needs exactly one of fn(b, h, q, kv) or rule")
+        if fn is not None and not callable(fn):
+            raise TypeError(f"fn must be callable as fn(b, h, q, kv), got {type(fn).__name__}")
+        self._rule: Rule = rule if rule is not None else (lambda b, h, q, kv, n: fn(b, h, q, kv))
+        self._bounds = bounds
+        self.name = name
+        self.batch = batch  # the batch size the rule is written for, or None if independent
+        self.heads = heads  # the head count the rule is written for, or None if independent
+        self._check = check
+
+    def __repr__(self) -> str:
+        return self.name
+
+    # -- algebra -------------------------------------------------------------------------------
+    def __and__(self, other: Mask) -> Mask:
+        return _combine(self, other, "&")
+
+    def __or__(self, other: Mask) -> Mask:
+        return _combine(self, other, "|")
+
+    def __invert__(self) -> Mask:
+        a = self
+        bounds = None
+        if a._bounds is not None:
+
+            def bounds(*args):
+                maybe_any, surely_all = a._bounds(*args)
+                return ~surely_all, ~maybe_any
+
+        return Mask(
+            rule=lambda b, h, q, kv, n: ~a._rule(b, h, q, kv, n),
+            bounds=bounds,
+            name=f"~{_paren(a)}",
+            batch=a.batch,
+            heads=a.heads,
+            check=a._check,
+        )
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def check(self, nq: int, nk: int, batch: int | None = None, heads: int | None = None) -> None:
+        """Raise ValueError if this mask cannot describe an (Nq × Nk) problem of that shape."""
+        if batch is not None and self.batch not in (None, batch):
+            raise ValueError(f"mask {self!r} is written for batch size {self.batch}, got B={batch}")
+        if heads is not None and self.heads not in (None, heads):
+            raise ValueError(f"mask {self!r} is written for {self.heads} heads, got H={heads}")
+        if self._check is not None:
+            self._check(nq, nk)
+
+    def evaluate(
+        self,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        nq: int,
+        nk: int,
+    ) -> torch.Tensor:
+        """The rule on query rows `rows` and keys `cols` of an (Nq × Nk) problem (row indices are
+        turned into positions here). All arguments broadcastable int64 tensors."""
+        return self._rule(b, h, rows + (nk - nq), cols, nk)
+
+    def dense4(self, nq: int, nk: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The mask as a bool `(Bm, Hm, Nq, Nk)` tensor (Bm = batch or 1, Hm = heads or 1)."""
+        bi, hi = self._index(None, self.batch, device), self._index(None, self.heads, device)
+        hi = hi.view(1, -1, 1, 1)
+        rows = torch.arange(nq, device=device).view(1, 1, nq, 1)
+        cols = torch.arange(nk, device=device).view(1, 1, 1, nk)
+        dense = self.evaluate(bi, hi, rows, cols, nq, nk)
+        return dense.expand(bi.shape[0], hi.shape[1], nq, nk)
+
+    def to_dense(
+        self,
+        nq: int,
+        nk: int,
+        b: int | None = None,
+        h: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """The mask as a bool tensor: `(Nq, Nk)` for a rule independent of batch and head,
+        otherwise `(Bm, Hm, Nq, Nk)` (Bm = mask.batch or 1, Hm = mask.heads or 1); `b` / `h`
+        select one batch element / head (and drop that dim)."""
+        self.check(nq, nk)
+        dense = self.dense4(nq, nk, device)
+        if b is not None:
+            self._index(b, self.batch, device)  # range check
+            dense = dense[b : b + 1] if self.batch is not None else dense
+        if h is not None:
+            self._index(h, self.heads, device)
+            dense = dense[:, h : h + 1] if self.heads is not None else dense
+        if (self.batch is None or b is not None) and (self.heads is None or h is not None):
+            return dense[0, 0].contiguous()
+        return dense.contiguous()
+
+    @staticmethod
+    def _index(i: int | None, size: int | None, device) -> torch.Tensor:
+        if i is not None:
+            if size is not None and not 0 <= i < size:
+                raise ValueError(f"index {i} is out of range [0, {size})")
+            return torch.tensor([i], device=device).view(-1, 1, 1, 1)
+        return torch.arange(size or 1, device=device).view(-1, 1, 1, 1)
+
+    def density(self, nq: int, nk: int) -> float:
+        """Fraction of (query, key) pairs allowed (averaged over batch and heads)."""
+        if nq == 0 or nk == 0:
+            return 0.0
+        total, rows_per_chunk = 0, max(1, 2**22 // max(nk, 1))
+        bi, hi = self._index(None, self.batch, None), self._index(None, self.heads, None)
+        hi = hi.view(1, -1, 1, 1)
+        cols = torch.arange(nk).view(1, 1, 1, nk)
+        for r0 in range(0, nq, rows_per_chunk):
+            rows = torch.arange(r0, min(nq, r0 + rows_per_chunk)).view(1, 1, -1, 1)
+            m = self.evaluate(bi, hi, rows, cols, nq, nk)
+            total += m.expand(bi.shape[0], hi.shape[1], rows.shape[2], nk).sum().item()
+        return total / ((self.batch or 1) * (self.heads or 1) * nq * nk)
+
+    def blocks(self, nq: int, nk: int, block_q: int = 128, block_k: int = 128) -> BlockLayout:
+        """Classify every (block_q × block_k) tile as empty, partial or full.
+
+        Uses the rule's tile bounds when it has them (causal, windows, documents, global tokens,
+        padding, prefix-LM, BigBird, fixed: O(tiles) work, no N×N matrix); otherwise evaluates
+        the rule a band of rows at a time (O(Nq·Nk) work, O(block_q·Nk) memory)."""
+        self.check(nq, nk)
+        bi = self._index(None, self.batch, None)
+        hi = self._index(None, self.heads, None).view(1, -1, 1, 1)
+        if self._bounds is not None:
+            q_lo, q_hi, k_lo, k_hi = tile_grid(nq, nk, block_q, block_k)
+            maybe_any, surely_all = self._bounds(bi, hi, q_lo, q_hi, k_lo, k_hi, nk)
+        else:
+            maybe_any, surely_all = self._scan(bi, hi, nq, nk, block_q, block_k)
+        shape = (bi.shape[0], hi.shape[1], -(-nq // block_q), -(-nk // block_k))
+        kind = classify(maybe_any.expand(shape), surely_all.expand(shape))
+        return BlockLayout(kind=kind, block_q=block_q, block_k=block_k, q_len=nq, kv_len=nk)
+
+    def _scan(self, bi, hi, nq, nk, block_q, block_k):
+        nqb, nkb = -(-nq // block_q), -(-nk // block_k)
+        B, H = bi.shape[0], hi.shape[1]
+        any_ = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
+        all_ = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
+        cols = torch.arange(nk).view(1, 1, 1, nk)
+        pad = nkb * block_k - nk
+        for i in range(nqb):
+            rows = torch.arange(i * block_q, min(nq, (i + 1) * block_q)).view(1, 1, -1, 1)
+            m = self.evaluate(bi, hi, rows, cols, nq, nk).expand(B, H, rows.shape[2], nk)
+            anyc, allc = m.any(2), m.all(2)  # (B, H, nk)
+            if pad:
+                anyc = torch.nn.functional.pad(anyc, (0, pad), value=False)
+                allc = torch.nn.functional.pad(allc, (0, pad), value=True)
+            any_[:, :, i] = anyc.view(B, H, nkb, block_k).any(-1)
+            all_[:, :, i] = allc.view(B, H, nkb, block_k).all(-1)
+        return any_, all_
+
+
+def _paren(m: Mask) -> str:
+    r = repr(m)
+    return f"({r})" if (" & " in r or " | " in r) else r
+
+
+def _combine(a: Mask, c: Mask, op: str) -> Mask:
+    if not isinstance(c, Mask):
+        return NotImplemented
+    for attr in ("batch", "heads"):
+        x, y = getattr(a, attr), getattr(c, attr)
+        if x is not None and y is not None and x != y:
+            raise ValueError(f"cannot combine {a!r} ({attr}={x}) with {c!r} ({attr}={y})")
+    if op == "&":
+
+        def rule(b, h, q, kv, n):
+            return a._rule(b, h, q, kv, n) & c._rule(b, h, q, kv, n)
+
+        def combine_bounds(x, y):
+            # any(a & c) ≤ any(a) & any(c) (an upper bound); all(a & c) = all(a) & all(c).
+            return x[0] & y[0], x[1] & y[1]
+
+    else:
+
+        def rule(b, h, q, kv, n):
+            return a._rule(b, h, q, kv, n) | c._rule(b, h, q, kv, n)
+
+        def combine_bounds(x, y):
+            # any(a | c) = any(a) | any(c); all(a | c) ≥ all(a) | all(c) (a lower bound).
+            return x[0] | y[0], x[1] | y[1]
+
+    bounds = None
+    if a._bounds is not None and c._bounds is not None:
+
+        def bounds(*args):
+            return combine_bounds(a._bounds(*args), c._bounds(*args))
+
+    def check(nq, nk):
+        for m in (a, c):
+            if m._check is not None:
+                m._check(nq, nk)
+
+    return Mask(
+        rule=rule,
+        bounds=bounds,
+        name=f"{_paren(a)} {op} {_paren(c)}",
+        batch=a.batch if a.batch is not None else c.batch,
+        heads=a.heads if a.heads is not None else c.heads,
+        check=check,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be ≥ {minimum}")
+    return value
+
+
+def _int_list(name: str, values: object) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not isinstance(values, Sequence) or isinstance(values, str):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    out = []
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name} must hold ints, got {type(x).__name__} {x!r}")
+        out.append(x)
+    return out
+
+
+def _all_true(*like: torch.Tensor) -> torch.Tensor:
+    return torch.ones(torch.broadcast_shapes(*(t.shape for t in like)), dtype=torch.bool)
+
+
+def _queries_within_keys(name: str, nq: int, nk: int) -> None:
+    if nq > nk:
+        raise ValueError(
+            f"{name} needs Nq ≤ Nk (queries are the last Nq key positions), got Nq={nq}, Nk={nk}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The patterns
+# ---------------------------------------------------------------------------------------------
+
+
+def causal() -> Mask:
+    """Key position ≤ query position (bottom-right aligned, like `causal=True`)."""
+    return Mask(
+        rule=lambda b, h, q, kv, n: kv <= q,
+        bounds=lambda b, h, ql, qh, kl, kh, n: (kl <= qh, kh <= ql),
+        name="causal()",
+    )
+
+
+def sliding_window(left: int, right: int | None = None) -> Mask:
+    """Longformer's local band: `q − left ≤ kv ≤ q + right` (`right` defaults to `left`;
+    `right=0` is a causal local window)."""
+    left = _int("left", left, 0)
+    right = left if right is None else _int("right", right, 0)
+    return Mask(
+        rule=lambda b, h, q, kv, n: (kv >= q - left) & (kv <= q + right),
+        bounds=lambda b, h, ql, qh, kl, kh, n: (
+            (kl <= qh + right) & (kh >= ql - left),
+            (kl >= qh - left) & (kh <= ql + right),
+        ),
+        name=f"sliding_window({left}, {right})",
+    )
+
+
+def dilated_window(window: int, dilation: int) -> Mask:
+    """Longformer's dilated window: keys at `q ± m·dilation` for m = 0 … window."""
+    window, dilation = _int("window", window, 0), _int("dilation", dilation, 1)
+    reach = window * dilation
+    band = sliding_window(reach)
+    return Mask(
+        rule=lambda b, h, q, kv, n: ((q - kv).abs() <= reach) & ((q - kv) % dilation == 0),
+        bounds=lambda *a: (band._bounds(*a)[0], band._bounds(*a)[1] & (dilation == 1)),
+        name=f"dilated_window({window}, {dilation})",
+    )
+
+
+def _count_in(sorted_idx: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """How many of `sorted_idx` fall in [lo, hi] (elementwise, broadcast)."""
+    shape = torch.broadcast_shapes(lo.shape, hi.shape)
+    lo, hi = lo.expand(shape).contiguous(), hi.expand(shape).contiguous()
+    upper = torch.searchsorted(sorted_idx, hi.flatten(), right=True)
+    lower = torch.searchsorted(sorted_idx, lo.flatten(), right=False)
+    return (upper - lower).view(shape)
+
+
+def global_tokens(indices: Sequence[int] | torch.Tensor) -> Mask:
+    """These positions attend everywhere and every position attends to them."""
+    idx = _int_list("indices", indices)
+    if any(i < 0 for i in idx):
+        raise ValueError(f"global token indices must be ≥ 0, got {sorted(idx)[:5]}")
+    table = torch.tensor(sorted(set(idx)), dtype=torch.long)
+
+    def is_global(p):
+        return torch.isin(p, table.to(p.device))
+
+    def bounds(b, h, ql, qh, kl, kh, n):
+        nq_glob, nk_glob = _count_in(table, ql, qh), _count_in(table, kl, kh)
+        return (nq_glob > 0) | (nk_glob > 0), (nq_glob == qh - ql + 1) | (nk_glob == kh - kl + 1)
+
+    def check(nq, nk):
+        if len(table) and table[-1] >= nk:
+            raise ValueError(
+                f"global token index {int(table[-1])} is out of range for a sequence of {nk} keys"
+            )
+
+    shown = idx if len(idx) <= 6 else [*sorted(idx)[:3], "…", sorted(idx)[-1]]
+    return Mask(
+        rule=lambda b, h, q, kv, n: is_global(q) | is_global(kv),
+        bounds=bounds,
+        name=f"global_tokens({shown})".replace("'", ""),
+        check=check,
+    )
+
+
+def strided(stride: int) -> Mask:
+    """Sparse Transformer "strided" pattern (Child et al. 2019): the previous/next `stride`
+    positions, plus every `stride`-th position. Compose with `causal()` for the paper's
+    autoregressive form."""
+    stride = _int("stride", stride, 1)
+    local = sliding_window(stride - 1)
+    return Mask(
+        rule=lambda b, h, q, kv, n: ((q - kv).abs() < stride) | ((q - kv) % stride == 0),
+        bounds=lambda *a: (torch.ones_like(local._bounds(*a)[0]), local._bounds(*a)[1]),
+        name=f"strided({stride})",
+    )
+
+
+def fixed(block: int, summary: int) -> Mask:
+    """Sparse Transformer "fixed" pattern: attend within your block of `block` positions, and to
+    the last `summary` positions of every block. Compose with `causal()` for the paper's form."""
+    block, summary = _int("block", block, 1), _int("summary", summary, 1)
+    if summary > block:
+        raise ValueError(f"summary={summary} must be ≤ block={block}")
+
+    def n_summary_below(x):  # number of summary columns in [0, x)
+        return (x // block) * summary + torch.clamp(x % block - (block - summary), min=0)
+
+    def bounds(b, h, ql, qh, kl, kh, n):
+        same_any = (kl // block <= qh // block) & (kh // block >= ql // block)
+        same_all = (
+            (ql // block == qh // block)
+            & (kl // block == ql // block)
+            & (kh // block == ql // block)
+        )
+        count = n_summary_below(kh + 1) - n_summary_below(kl)
+        return same_any | (count > 0), same_all | (count == kh - kl + 1)
+
+    return Mask(
+        rule=lambda b, h, q, kv, n: (q // block == kv // block) | (kv % block >= block - summary),
+        bounds=bounds,
+        name=f"fixed({block}, {summary})",
+    )
+
+
+def _doc_ids(bounds_t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    flat = p.reshape(-1).contiguous()
+    return torch.searchsorted(bounds_t.to(p.device), flat, right=True).view(p.shape)
+
+
+def document(lengths: Sequence[int] | torch.Tensor) -> Mask:
+    """Packed sequences: positions attend only within their own document (block diagonal).
+    `lengths` must sum to the key length."""
+    lens = _int_list("lengths", lengths)
+    if any(n < 0 for n in lens):
+        raise ValueError(f"document lengths must be ≥ 0, got {lens}")
+    total = sum(lens)
+    ends = torch.tensor(lens, dtype=torch.long).cumsum(0)  # doc d covers [ends[d-1], ends[d])
+
+    def rule(b, h, q, kv, n):
+        return _doc_ids(ends, q) == _doc_ids(ends, kv)
+
+    def bounds(b, h, ql, qh, kl, kh, n):
+        dql, dqh, dkl, dkh = (_doc_ids(ends, x) for x in (ql, qh, kl, kh))
+        return (dkl <= dqh) & (dkh >= dql), (dql == dqh) & (dkl == dkh) & (dql == dkl)
+
+    def check(nq, nk):
+        if total != nk:
+            raise ValueError(f"document lengths sum to {total}, but the sequence has {nk} keys")
+        _queries_within_keys("document", nq, nk)
+
+    return Mask(rule=rule, bounds=bounds, name=f"document({lens})", check=check)
+
+
+def _key_below(n_prefix: int) -> Mask:
+    return Mask(
+        rule=lambda b, h, q, kv, n: kv < n_prefix,
+        bounds=lambda b, h, ql, qh, kl, kh, n: (
+            (kl < n_prefix) & (qh >= ql),
+            (kh < n_prefix) & (qh >= ql),
+        ),
+        name=f"keys_below({n_prefix})",
+    )
+
+
+def prefix_lm(n_prefix: int) -> Mask:
+    """A bidirectional prefix (image tokens, a prompt) then causal text: key < n_prefix or
+    key ≤ query."""
+    n_prefix = _int("n_prefix", n_prefix, 0)
+    m = _key_below(n_prefix) | causal()
+    m.name = f"prefix_lm({n_prefix})"
+    return m
+
+
+def padding(lengths: Sequence[int] | torch.Tensor) -> Mask:
+    """Per batch element b, only the first `lengths[b]` keys are real (the rest is padding).
+    Queries are not masked: a padded query still gets an output (ignore it)."""
+    lens = _int_list("lengths", lengths)
+    if any(n < 0 for n in lens):
+        raise ValueError(f"padding lengths must be ≥ 0, got {lens}")
+    table = torch.tensor(lens, dtype=torch.long)
+
+    def rule(b, h, q, kv, n):
+        return kv < table.to(kv.device)[b]
+
+    def bounds(b, h, ql, qh, kl, kh, n):
+        L = table[b]
+        return kl < L, kh < L
+
+    def check(nq, nk):
+        if max(lens, default=0) > nk:
+            raise ValueError(f"padding length {max(lens)} exceeds the sequence of {nk} keys")
+
+    return Mask(rule=rule, bounds=bounds, name=f"padding({lens})", batch=len(lens), check=check)
+
+
+def bigbird(window: int, n_global: int, n_random: int, block: int, seed: int = 0) -> Mask:
+    """BigBird (Zaheer et al. 2020) at block granularity: with blocks of `block` positions, query
+    block i attends key blocks j with |i − j| ≤ window, the first `n_global` blocks attend and
+    are attended everywhere, and each query block attends `n_random` random key blocks (a
+    function of `seed` and i)."""
+    window, n_global = _int("window", window, 0), _int("n_global", n_global, 0)
+    n_random, block = _int("n_random", n_random, 0), _int("block", block, 1)
+    seed = _int("seed", seed, 0)
+    cache: dict[int, torch.Tensor] = {}
+
+    def table(n: int) -> torch.Tensor:
+        """Allowed (query block, key block) pairs for a sequence of n positions."""
+        if n not in cache:
+            nb = max(1, -(-n // block))
+            i = torch.arange(nb).view(-1, 1)
+            j = torch.arange(nb).view(1, -1)
+            allowed = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
+            if n_random:
+                g = torch.Generator().manual_seed(seed)
+                picks = torch.rand(nb, nb, generator=g).argsort(-1)[:, :n_random]
+                allowed[torch.arange(nb).view(-1, 1), picks] = True
+            cache[n] = allowed
+        return cache[n]
+
+    def rule(b, h, q, kv, n):
+        t = table(n).to(q.device)
+        return t[q // block, kv // block]
+
+    def check(nq, nk):
+        _queries_within_keys("bigbird", nq, nk)
+
+    def bounds(b, h, ql, qh, kl, kh, n):
+        t = table(n).to(torch.int64)
+        csum = torch.nn.functional.pad(t.cumsum(0).cumsum(1), (1, 0, 1, 0))  # 2-D prefix sums
+        r0, r1 = ql // block, qh // block + 1
+        c0, c1 = kl // block, kh // block + 1
+        shape = torch.broadcast_shapes(r0.shape, c0.shape)
+        r0, r1, c0, c1 = (x.expand(shape) for x in (r0, r1, c0, c1))
+        count = csum[r1, c1] - csum[r0, c1] - csum[r1, c0] + csum[r0, c0]
+        return count > 0, count == (r1 - r0) * (c1 - c0)
+
+    return Mask(
+        rule=rule,
+        bounds=bounds,
+        name=f"bigbird(window={window}, n_global={n_global}, n_random={n_random}, "
+        f"block={block}, seed={seed})",
+        check=check,
+    )
+
+
+def from_tensor(mask: torch.Tensor) -> Mask:
+    """A dense bool tensor `(Nq, Nk)`, `(H, Nq, Nk)` or `(B, H, Nq, Nk)` as a Mask (True = may
+    attend). Its size must match the problem it is used on."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"from_tensor needs a bool tensor, got {got}")
+    if mask.dim() not in (2, 3, 4):
+        raise ValueError(f"from_tensor needs 2 to 4 dims, got shape {tuple(mask.shape)}")
+    m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    B, H, nq_t, nk_t = m4.shape
+
+    def rule(b, h, q, kv, n):
+        t = m4.to(q.device)
+        rows = q - (nk_t - nq_t)
+        return t[b if B > 1 else 0, h if H > 1 else 0, rows.clamp(0, nq_t - 1), kv] & (rows >= 0)
+
+    def check(nq, nk):
+        if (nq, nk) != (nq_t, nk_t):
+            raise ValueError(
+                f"mask from_tensor has shape (Nq, Nk)=({nq_t}, {nk_t}) but the problem is "
+                f"({nq}, {nk})"
+            )
+
+    return Mask(
+        rule=rule,
+        name=f"from_tensor(shape={tuple(mask.shape)})",
+        batch=B if B > 1 else None,
+        heads=H if H > 1 else None,
+        check=check,
+    )
+
+
+def _check_cu(name: str, cu: object) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32/int64 tensor, got {cu!r}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with at least one entry, got {tuple(cu.shape)}")
+    cu = cu.to("cpu", torch.long)
+    if cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name} must start at 0 and never decrease, got {cu.tolist()[:8]}")
+    return cu
+
+
+def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = False) -> Mask:
+    """Packed variable-length sequences (FlashAttention's `cu_seqlens`): query row i of
+    sequence s attends only keys of sequence s; with `causal`, bottom-right aligned within each
+    sequence. Sequence s holds query rows `cu_seqlens_q[s] … cu_seqlens_q[s+1]` and keys
+    `cu_seqlens_k[s] … cu_seqlens_k[s+1]`."""
+    cu_q, cu_k = _check_cu("cu_seqlens_q", cu_seqlens_q), _check_cu("cu_seqlens_k", cu_seqlens_k)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{cu_q.numel() - 1} and {cu_k.numel() - 1}"
+        )
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    ends_q, ends_k = cu_q[1:], cu_k[1:]
+
+    def seq_q(row):
+        return _doc_ids(ends_q, row)
+
+    def rule(b, h, q, kv, n):
+        row = q - (tk - tq)
+        d = seq_q(row)
+        same = d == _doc_ids(ends_k, kv)
+        if not causal:
+            return same
+        dc = d.clamp(max=len(ends_q) - 1)
+        cq, ck = cu_q.to(q.device), cu_k.to(q.device)
+        off = (ck[dc + 1] - ck[dc]) - (cq[dc + 1] - cq[dc])
+        return same & (kv - ck[dc] <= row - cq[dc] + off)
+
+    def bounds(b, h, ql, qh, kl, kh, n):
+        rl, rh = ql - (tk - tq), qh - (tk - tq)
+        dql, dqh = seq_q(rl), seq_q(rh)
+        dkl, dkh = _doc_ids(ends_k, kl), _doc_ids(ends_k, kh)
+        maybe_any = (dkl <= dqh) & (dkh >= dql)
+        surely_all = (dql == dqh) & (dkl == dkh) & (dql == dkl)
+        if causal:
+            d = dql.clamp(max=len(ends_q) - 1)
+            off = (cu_k[d + 1] - cu_k[d]) - (cu_q[d + 1] - cu_q[d])
+            surely_all = surely_all & (kh - cu_k[d] <= rl - cu_q[d] + off)
+        return maybe_any, surely_all
+
+    def check(nq, nk):
+        if (nq, nk) != (tq, tk):
+            raise ValueError(
+                f"cu_seqlens describe {tq} query and {tk} key tokens, got Nq={nq}, Nk={nk}"
+            )
+
+    n_seq = cu_q.numel() - 1
+    return Mask(
+        rule=rule, bounds=bounds, name=f"varlen({n_seq} sequences, causal={causal})", check=check
+    )
