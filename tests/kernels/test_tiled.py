@@ -71,9 +71,9 @@ def _record_scores(monkeypatch):
     calls = []
     real = tiled_mod._Tiles.scores
 
-    def recording(self, s, i0, i1, j0, j1, partial):
+    def recording(self, s, i0, i1, j0, j1, partial, track=False):
         calls.append((i0, i1, j0, j1, partial))
-        return real(self, s, i0, i1, j0, j1, partial)
+        return real(self, s, i0, i1, j0, j1, partial, track)
 
     monkeypatch.setattr(tiled_mod._Tiles, "scores", recording)
     return calls
