@@ -1,9 +1,9 @@
 """qkv: self-attention from the textbook formula to production.
 
-    out = qkv.attention(q, k, v, causal=True)          # exact, fastest matching backend
-    print(qkv.dispatch(q, k, v, causal=True))          # which backend, and why
-    st = qkv.reference.steps(q, k, v)                  # S, S_scaled, A, out, lse
-    out = qkv.attention(q, k, v, mask=qkv.masks.sliding_window(256))   # block-sparse
+out = qkv.attention(q, k, v, causal=True)          # exact, fastest matching backend
+print(qkv.dispatch(q, k, v, causal=True))          # which backend, and why
+st = qkv.reference.steps(q, k, v)                  # S, S_scaled, A, out, lse
+out = qkv.attention(q, k, v, mask=qkv.masks.sliding_window(256))   # block-sparse
 """
 
 from . import kernels, masks, reference, scores

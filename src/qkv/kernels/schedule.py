@@ -8,9 +8,9 @@ empty/full only if it is so for every batch element and head.
 
 Consecutive kept tiles in a row of tiles form a *run*; a run (cut at `max_cols` columns) is one
 matrix product `(rows × run width)` batched over batch and heads, followed by one online-softmax
-update, and only its partial tiles get mask arithmetic. Neighbouring rows of tiles with
-identical runs are merged into one taller product (up to `max_rows` rows). The backward does the
-same by columns of tiles.
+update, and only its partial tiles get mask arithmetic. Neighbouring rows of tiles are merged
+into one taller product when that adds little work (see `strips`). The backward does the same
+by columns of tiles.
 
 Why a loop over rows of tiles and not one batched product over all of them: measured on a
 2-core CPU (torch 2.13, 8 heads, D=64), a Python loop of per-row products ran at ~135-160
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..masks import EMPTY, FULL, PARTIAL, causal, classify, tile_grid
+from ..masks import EMPTY, FULL, causal, classify, tile_grid
 from ..plan import AttentionPlan
 
 
@@ -95,20 +95,7 @@ def _dense_kinds(mask: torch.Tensor, nq: int, nk: int, bq: int, bk: int) -> torc
     return classify(per_tile(m_any, True), per_tile(m_all, False))
 
 
-def _runs_of_rows(kind: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """For each row of `kind`, the runs of consecutive non-empty tiles as (first, one past last)."""
-    nrows, ncols = kind.shape
-    out: list[list[tuple[int, int]]] = [[] for _ in range(nrows)]
-    if ncols == 0:
-        return out
-    kept = (kind != EMPTY).to(torch.int8)
-    prev = F.pad(kept[:, :-1], (1, 0))
-    nxt = F.pad(kept[:, 1:], (0, 1))
-    starts = ((kept == 1) & (prev == 0)).nonzero().tolist()
-    ends = ((kept == 1) & (nxt == 0)).nonzero().tolist()
-    for (r, c0), (_, c1) in zip(starts, ends, strict=True):
-        out[r].append((c0, c1 + 1))
-    return out
+WASTE = 1.125  # merge rows of tiles while the merged strip computes ≤ 12.5% more tiles
 
 
 def strips(
@@ -122,33 +109,54 @@ def strips(
 ) -> list[Strip]:
     """Group tiles row by row (use `kind.T` and swapped sizes for the backward's columns).
 
-    Each run is cut into pieces of at most `max_cols` columns; consecutive tile rows whose
-    pieces are identical are merged while the strip stays within `max_rows` rows."""
+    Consecutive rows of tiles are merged into one strip (one taller product) while the strip
+    stays within `max_rows` rows and the union of their kept tiles is at most `WASTE` times the
+    tiles they keep on their own: identical rows always merge (dense attention, the inside of a
+    document); the staircase of causal attention merges once rows are long; a sliding window,
+    whose rows are shifted copies, does not. In the merged strip a tile is full only if full in
+    every row, empty only if empty in every row, and partial (masked) otherwise. Each run of
+    kept tiles is cut into pieces of at most `max_cols` columns."""
+    kept = kind != EMPTY
+    full = kind == FULL
+    per_row_kept = kept.sum(1).tolist()
+    rows_per_strip = max(1, max_rows // block_rows)
+    groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+    for r in range(kind.shape[0]):
+        if groups:
+            r0, r1, g_any, g_all = groups[-1]
+            new_any, new_all = g_any | kept[r], g_all & full[r]
+            size = r1 - r0 + 1
+            union = int(new_any.sum()) * size
+            if size <= rows_per_strip and union <= WASTE * sum(per_row_kept[r0 : r1 + 1]):
+                groups[-1] = (r0, r1 + 1, new_any, new_all)
+                continue
+        groups.append((r, r + 1, kept[r], full[r]))
+    out = []
     step = max(block_cols, (max_cols // block_cols) * block_cols)
-    partial_tiles = (kind == PARTIAL).tolist()
-    per_row = []
-    for r, tiles in enumerate(_runs_of_rows(kind)):
-        pieces = []
-        for t0, t1 in tiles:
-            c0, c1 = t0 * block_cols, min(t1 * block_cols, n_cols)
+    for r0, r1, g_any, g_all in groups:
+        runs = []
+        flags = torch.stack([g_any, g_all & g_any]).tolist()
+        t = 0
+        while t < len(flags[0]):
+            if not flags[0][t]:
+                t += 1
+                continue
+            t1 = t
+            while t1 < len(flags[0]) and flags[0][t1]:
+                t1 += 1
+            c0, c1 = t * block_cols, min(t1 * block_cols, n_cols)
             for a in range(c0, c1, step):
                 b = min(a + step, c1)
                 part = tuple(
-                    (t * block_cols, min((t + 1) * block_cols, n_cols))
-                    for t in range(a // block_cols, -(-b // block_cols))
-                    if partial_tiles[r][t]
+                    (u * block_cols, min((u + 1) * block_cols, n_cols))
+                    for u in range(a // block_cols, -(-b // block_cols))
+                    if not flags[1][u]
                 )
-                pieces.append(Run(a, b, _merge(part)))
-        per_row.append(tuple(pieces))
-    out: list[Strip] = []
-    for r, runs in enumerate(per_row):
-        start, stop = r * block_rows, min((r + 1) * block_rows, n_rows)
-        prev = out[-1] if out else None
-        if prev is not None and prev.runs == runs and stop - prev.start <= max_rows:
-            out[-1] = Strip(prev.start, stop, runs)
-        else:
-            out.append(Strip(start, stop, runs))
-    return [s for s in out if s.runs]
+                runs.append(Run(a, b, _merge(part)))
+            t = t1
+        if runs:
+            out.append(Strip(r0 * block_rows, min(r1 * block_rows, n_rows), tuple(runs)))
+    return out
 
 
 def _merge(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:

@@ -41,7 +41,7 @@ LN2 = math.log(2.0)
 BLOCK_Q = 64  # query rows per tile of the layout (per head)
 BLOCK_K = 64  # keys per tile of the layout
 MAX_ROWS = 256  # most query rows (backward: keys) one matrix product spans
-MAX_COLS = 1024  # most keys (backward: query rows) one matrix product spans
+MAX_COLS = 768  # most keys (backward: query rows) one matrix product spans
 
 
 def _heads5(t: torch.Tensor | None, plan: AttentionPlan) -> torch.Tensor | None:
