@@ -86,7 +86,9 @@ def test_causal_skips_empty_tiles(monkeypatch, nq, nk, kept):
     # (7); Nq=64, Nk=32 → row tiles 0 and 1 see nothing, then 1 and 2 key tiles (3).
     calls = _record_scores(monkeypatch)
     q, k, v = make_qkv(B=1, H=1, Nq=nq, Nk=nk, D=4, requires_grad=True)
-    out = qkv.attention(q, k, v, causal=True, backend=TiledBackend(16, 16, max_rows=64, max_cols=64))
+    out = qkv.attention(
+        q, k, v, causal=True, backend=TiledBackend(16, 16, max_rows=64, max_cols=64)
+    )
     assert sum((i1 - i0) * (j1 - j0) for i0, i1, j0, j1, _ in calls) == kept * 16 * 16
     # Only the diagonal tiles need the mask; the ones below it run without mask arithmetic.
     masked = sum((r1 - r0) * (c1 - c0) for *_, part in calls for r0, r1, c0, c1 in part)

@@ -20,7 +20,10 @@ query heads share their key/value tile without copying it (the group is folded i
 Which tiles run is decided by `schedule.py`: tiles that the causal flag, a structured
 `qkv.masks.Mask` or a bool mask empty are never computed, tiles they leave whole skip the mask
 arithmetic, and kept tiles are grouped into runs so that each matmul spans many tiles.
-Base-2 exponentials are used because `exp2` is about three times faster than `exp` on the CPU.
+Base-2 exponentials are used because `exp2` is about three times faster than `exp` on the CPU:
+scores are kept in log2 units (q is pre-scaled by scale · log2 e). With a score modifier, which
+is written for natural units, the kernel stays in natural units and uses `exp` instead, which
+avoids rounding the scores through two unit conversions.
 """
 
 from __future__ import annotations
@@ -82,6 +85,11 @@ class _Tiles:
             self.rule_h = self.bh5 % plan.heads if rule.heads else zero
         self.b5, self.h5 = self.bh5 // plan.heads, self.bh5 % plan.heads  # for score_mod
         self.kinds = tile_kinds(plan, backend.block_q, backend.block_k)
+        # Units of the scores: log2 (fast exp2) unless a score modifier wants natural units.
+        natural = plan.score_mod is not None
+        self.unit = 1.0 if natural else LOG2E
+        self.exp_ = torch.Tensor.exp_ if natural else torch.Tensor.exp2_
+        self.exp = torch.exp if natural else torch.exp2
 
     def forward_strips(self) -> list[Strip]:
         """Rows of query tiles with their runs of keys."""
@@ -112,16 +120,16 @@ class _Tiles:
         p = self.plan
         s5 = s.view(p.batch, p.kv_heads, p.groups, i1 - i0, j1 - j0)
         if self.bias5 is not None:
-            s5.add_(_tile(self.bias5, i0, i1, j0, j1).to(self.cdt), alpha=LOG2E)
+            s5.add_(_tile(self.bias5, i0, i1, j0, j1).to(self.cdt), alpha=self.unit)
         graph = None
         if p.score_mod is not None:
-            x = s5 * LN2  # natural units: Q Kᵀ · scale + bias
+            x = s5.clone()  # natural units here: Q Kᵀ · scale + bias
             rows = torch.arange(i0, i1, device=self.device).unsqueeze(1) + p.causal_offset
             cols = torch.arange(j0, j1, device=self.device)
             with torch.set_grad_enabled(track):
                 x.requires_grad_(track)
                 y = p.score_mod(x, self.b5, self.h5, rows, cols)
-            s5.copy_(y.detach()).mul_(LOG2E)
+            s5.copy_(y.detach())
             graph = (x, y) if track else None
         for r0, r1, c0, c1 in partial:
             allowed = self.allowed(r0, r1, c0, c1)
@@ -161,7 +169,7 @@ def _forward(
     cdt = T.cdt
     lowest = torch.finfo(cdt).min
     lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
-    qs = (q.to(cdt) * (plan.scale * LOG2E)).reshape(B, Hkv, G, Nq, D)  # (B, Hkv, G, Nq, D)
+    qs = (q.to(cdt) * (plan.scale * T.unit)).reshape(B, Hkv, G, Nq, D)  # (B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)  # (B, Hkv, Nk, D), (B, Hkv, Nk, Dv); no copy for fp32/64
     v_finite = all_finite(vc)
     # Rows that no strip covers (every tile empty) keep output 0 and lse −inf.
@@ -181,7 +189,7 @@ def _forward(
             m_run = s.amax(dim=-1, keepdim=True)
             m_new = m_run if m is None else torch.maximum(m, m_run)
             m_use = m_new.clamp(min=lowest)  # a row masked so far: 2^(−inf − lowest) = 0
-            s.sub_(m_use).exp2_()  # s is now P, the unnormalised probabilities of the run
+            T.exp_(s.sub_(m_use))  # s is now P, the unnormalised probabilities of the run
             l_run = s.sum(dim=-1, keepdim=True)
             if plan.dropout_p > 0:
                 s5.mul_(T.keep(i0, i1, j0, j1)).mul_(ks)
@@ -189,14 +197,15 @@ def _forward(
             if m is None:
                 l, acc = l_run, pv
             else:
-                alpha = torch.exp2(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
+                alpha = T.exp(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
                 l = l.mul_(alpha).add_(l_run)
                 acc = acc.mul_(alpha).add_(pv)
             m = m_new
         empty = l == 0
         o = acc / torch.where(empty, 1.0, l)
         out[:, :, :, i0:i1] = o.view(B, Hkv, G, n, Dv)
-        row_lse = torch.where(empty, -torch.inf, m * LN2 + torch.log(torch.where(empty, 1.0, l)))
+        m_nat = m / T.unit
+        row_lse = torch.where(empty, -torch.inf, m_nat + torch.log(torch.where(empty, 1.0, l)))
         lse[:, :, :, i0:i1] = row_lse.view(B, Hkv, G, n)
     return out.view(B, plan.heads, Nq, Dv), lse.view(B, plan.heads, Nq)
 
@@ -215,7 +224,7 @@ def _backward(
     B, Hkv, G, Nq, Nk = plan.batch, plan.kv_heads, plan.groups, plan.q_len, plan.kv_len
     D, Dv = plan.head_dim, plan.v_dim
     cdt = T.cdt
-    qs = (q.to(cdt) * (plan.scale * LOG2E)).reshape(B, Hkv, G, Nq, D)
+    qs = (q.to(cdt) * (plan.scale * T.unit)).reshape(B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)
     # Garbage in masked-out keys/values must not turn 0-weight gradients into NaN.
     if not all_finite(kc):
@@ -230,7 +239,7 @@ def _backward(
     Di = (do5 * out.to(cdt).reshape(B, Hkv, G, Nq, Dv)).sum(-1)  # (B, Hkv, G, Nq)
     if dlse is not None:
         Di = Di - dlse.to(cdt).reshape(B, Hkv, G, Nq)
-    lse2 = (lse.to(cdt) * LOG2E).reshape(B, Hkv, G, Nq)
+    lse2 = (lse.to(cdt) * T.unit).reshape(B, Hkv, G, Nq)
     lse2 = torch.where(torch.isneginf(lse2), torch.inf, lse2)  # fully masked row: P = 0
     dq = torch.zeros(B, Hkv, G, Nq, D, dtype=cdt, device=q.device)
     dk = torch.zeros(B, Hkv, Nk, D, dtype=cdt, device=q.device)
@@ -252,7 +261,7 @@ def _backward(
             _, graph = T.scores(
                 s, i0, i1, j0, j1, [(a, b, j0, j1) for a, b in run.partial], track=True
             )
-            p = s.sub_(lse2[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)).exp2_()  # P, exact
+            p = T.exp_(s.sub_(lse2[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)))  # P, exact
             dp = do_t @ v_t.transpose(-1, -2)  # dP of the (dropped) weights
             if plan.dropout_p > 0:
                 keep = T.keep(i0, i1, j0, j1).reshape(B, Hkv, G * n, j1 - j0)
@@ -271,7 +280,7 @@ def _backward(
             dq[:, :, :, i0:i1].add_((ds @ k_t).view(B, Hkv, G, n, D))
             dk_t.add_(ds.transpose(-1, -2) @ q_t)
     dq = (dq * plan.scale).reshape(B, plan.heads, Nq, D)
-    dk = dk * (1.0 / LOG2E)  # q_t carried scale · log2(e); dK needs scale only
+    dk = dk * (1.0 / T.unit)  # q_t carried scale · unit; dK needs scale only
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
 
 
