@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -44,14 +41,29 @@ import torch
 import torch.nn.functional as F
 
 import qkv
+from _harness import (
+    DTYPE,
+    MATMUL_REPEATS,
+    MATMUL_SIZE,
+    SEED,
+    ProbeResult,
+    fmt,
+    interleave,
+    limit_address_space,
+    machine_info,
+    matmul_gflops,
+    measure_in_process,
+    peak_rss_mib,
+    print_probe_result,
+    progress,
+    reset_peak_rss,
+    write_section,
+)
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
-DTYPE = torch.float32
 IMPLS = ("tiled", "auto", "naive", "sdpa")
 MODES = ("dense", "causal")
 ANCHOR = "sdpa"
-MATMUL_SIZE = 2048
-MATMUL_REPEATS = 10
 LONG_N = 32768
 LONG_IMPLS = ("tiled", "sdpa")
 LONG_TARGET_MIB = 1024.0
@@ -60,7 +72,7 @@ LONG_TIMEOUT_S = 1200
 # at N = 32768 fails with an allocation error instead of pushing a shared machine into the OOM
 # killer. Generous enough for `naive` forward + backward at N = 8192.
 PROBE_ADDRESS_LIMIT = 16 * 2**30
-SEED = 0
+SECTION = "core"
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
@@ -126,17 +138,6 @@ def total_flops(n: int, causal: bool, backward: bool) -> float:
     return forward_flops(n, causal) * (3.5 if backward else 1.0)
 
 
-def timed_runs(run: Callable[[], object], repeats: int) -> list[float]:
-    """Seconds per call of `run`, after one untimed warm-up call."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def time_interleaved(
     n: int, causal: bool, backward: bool, repeats: int, label: str
 ) -> dict[str, list[float]]:
@@ -155,53 +156,7 @@ def time_interleaved(
         impl: functools.partial(run_once, fn, q, k, v, grad, causal, backward)
         for impl, fn in IMPLEMENTATIONS.items()
     }
-    times: dict[str, list[float]] = {impl: [] for impl in runners}
-    for round_ in range(repeats + 1):  # round 0 is the warm-up
-        for impl, run in runners.items():
-            clear_grads()
-            start = time.perf_counter()
-            run()
-            elapsed = time.perf_counter() - start
-            if round_ > 0:
-                times[impl].append(elapsed)
-        done = "warm-up" if round_ == 0 else f"round {round_}/{repeats}"
-        latest = ", ".join(f"{impl} {t[-1] * 1e3:.0f}" for impl, t in times.items() if t)
-        progress(f"{label} {done}" + (f": {latest} ms" if latest else ""))
-    return times
-
-
-def matmul_gflops(size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS) -> float:
-    """torch's fp32 matmul rate on this machine, median of `repeats`, in GFLOP/s."""
-    gen = torch.Generator().manual_seed(SEED)
-    a = torch.randn(size, size, generator=gen, dtype=DTYPE)
-    b = torch.randn(size, size, generator=gen, dtype=DTYPE)
-    times = timed_runs(lambda: a @ b, repeats)
-    return 2.0 * size**3 / statistics.median(times) / 1e9
-
-
-def _status_mib(field: str) -> float:
-    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024  # reported in kB
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak_rss() -> float:
-    """Reset this process's peak-RSS mark to its current RSS and return that RSS in MiB.
-
-    `getrusage(RUSAGE_SELF).ru_maxrss` cannot be used in a child process: on Linux, exec
-    carries the parent's high-water mark into the child (`signal->maxrss`), so a child of a
-    parent that once held 5 GiB starts with ru_maxrss = 5 GiB. Writing 5 to
-    /proc/self/clear_refs resets VmHWM instead (Linux ≥ 4.0).
-    """
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_mib("VmRSS")
-
-
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process since the last `reset_peak_rss`, in MiB."""
-    return _status_mib("VmHWM")
+    return interleave(runners, repeats, label, before_each=clear_grads)
 
 
 # --------------------------------------------------------------------------- memory probes
@@ -216,14 +171,6 @@ class Probe:
     causal: bool
     backward: bool
     threads: int
-
-
-@dataclasses.dataclass
-class ProbeResult:
-    peak_mib: float | None = None  # peak RSS beyond the inputs
-    inputs_mib: float | None = None  # what q, k, v (and the upstream grad) hold
-    wall_s: float | None = None  # wall time of the single measured call
-    error: str | None = None
 
 
 def run_probe(probe: Probe) -> ProbeResult:
@@ -261,23 +208,13 @@ def run_once(
 
 def measure_memory(probe: Probe, timeout_s: float = LONG_TIMEOUT_S) -> ProbeResult:
     """Run `probe` in a fresh Python process (so peak RSS is its own) and return its result."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", json.dumps(vars(probe))]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return ProbeResult(error=f"timed out after {timeout_s:.0f} s")
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        detail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        return ProbeResult(error=detail[:200])
-    return ProbeResult(**json.loads(lines[-1]))
+    return measure_in_process(Path(__file__), vars(probe), timeout_s)
 
 
 def probe_main(spec: str) -> None:
     """Entry point of a probe process: print its ProbeResult as one JSON line."""
-    resource.setrlimit(resource.RLIMIT_AS, (PROBE_ADDRESS_LIMIT, PROBE_ADDRESS_LIMIT))
-    result = run_probe(Probe(**json.loads(spec)))
-    print(json.dumps(dataclasses.asdict(result)))
+    limit_address_space(PROBE_ADDRESS_LIMIT)
+    print_probe_result(run_probe(Probe(**json.loads(spec))))
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -331,10 +268,6 @@ class Settings:
 FULL = Settings(sizes=(1024, 2048, 4096, 8192), repeats={4096: 3, 8192: 3}, long_check=True)
 QUICK = Settings(sizes=(512, 1024), repeats={}, long_check=False)
 DEFAULT_REPEATS = {"full": 5, "quick": 3}
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def measure_times(settings: Settings, default_repeats: int) -> list[Row]:
@@ -449,40 +382,10 @@ def evaluate_targets(rows: list[Row], longs: list[LongCheck]) -> list[Target]:
 # --------------------------------------------------------------------------- report
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine_info() -> dict[str, object]:
-    return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "uname": " ".join(part for part in platform.uname() if part),
-        "processor": platform.processor() or cpu_model(),
-        "cpu_model": cpu_model(),
-        "nproc": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "python": platform.python_version(),
-    }
-
-
 def dispatch_choices() -> dict[str, str]:
     """Which backend `auto` picks for this benchmark's shapes, per mode."""
     q = torch.empty(BATCH, HEADS, 1024, HEAD_DIM, dtype=DTYPE)
     return {mode: qkv.dispatch(q, q, q, causal=mode == "causal").backend.name for mode in MODES}
-
-
-def fmt(value: float | None, spec: str, error: str | None = None) -> str:
-    if value is None:
-        return "failed" if error else "—"
-    return format(value, spec)
 
 
 def results_table(rows: list[Row], mode: str) -> list[str]:
@@ -534,7 +437,7 @@ def render(report: dict[str, object], rows: list[Row], longs: list[LongCheck]) -
     load = report["load_average_1min"]
     repeats = ", ".join(f"{r} at N={n}" for n, r in settings["repeats_by_n"].items())
     lines = [
-        "# Benchmarks",
+        "## Core: dense and causal attention (`benchmarks/core.py`)",
         "",
         "Generated by `benchmarks/core.py`; regenerate it, never edit the numbers by hand.",
         "",
@@ -550,7 +453,7 @@ def render(report: dict[str, object], rows: list[Row], longs: list[LongCheck]) -
         "other processes competed for the CPUs: absolute times suffer more than ratios)",
         f"- **Shapes:** fp32, B={BATCH}, H={HEADS}, D={HEAD_DIM}, Nq = Nk = N, CPU",
         "",
-        "## Method",
+        "### Method",
         "",
         '- Implementations: `tiled` = `qkv.attention(..., backend="tiled")`; `auto` = '
         f'`qkv.attention(..., backend="auto")` (it dispatches to `{choices["dense"]}` for dense '
@@ -580,7 +483,7 @@ def render(report: dict[str, object], rows: list[Row], longs: list[LongCheck]) -
         "figure includes what the call returns (the output, and for fwd+bwd the gradients "
         "dq, dk, dv: 2 MiB each per 1024 of N).",
         "",
-        "## Ceiling: torch fp32 matmul",
+        "### Ceiling: torch fp32 matmul",
         "",
         f"`{MATMUL_SIZE}×{MATMUL_SIZE} @ {MATMUL_SIZE}×{MATMUL_SIZE}`, median of "
         f"{MATMUL_REPEATS} after a warm-up, measured before and after the attention timings: "
@@ -589,8 +492,8 @@ def render(report: dict[str, object], rows: list[Row], longs: list[LongCheck]) -
         "",
     ]
     for mode in MODES:
-        lines += [f"## {mode.capitalize()}", "", *results_table(rows, mode), ""]
-    lines += ["## Long sequence: memory at N=32768", ""]
+        lines += [f"### {mode.capitalize()}", "", *results_table(rows, mode), ""]
+    lines += ["### Long sequence: memory at N=32768", ""]
     if longs:
         lines += [
             f"Forward + backward, dense, B={BATCH}, H={HEADS}, D={HEAD_DIM}, fp32, each in its "
@@ -605,7 +508,7 @@ def render(report: dict[str, object], rows: list[Row], longs: list[LongCheck]) -
         ]
     else:
         lines += ["Skipped (`--quick`).", ""]
-    lines += ["## Targets", "", *targets_table(report_targets(report)), ""]
+    lines += ["### Targets", "", *targets_table(report_targets(report)), ""]
     return "\n".join(lines)
 
 
@@ -619,7 +522,9 @@ def report_targets(report: dict[str, object]) -> list[Target]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="N in {512, 1024}, fewer repeats")
-    parser.add_argument("--out", type=Path, help="write Markdown here and JSON next to it")
+    parser.add_argument(
+        "--out", type=Path, help="write this script's section of this Markdown file, JSON beside"
+    )
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # internal: one memory probe
     return parser.parse_args(argv)
 
@@ -676,8 +581,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is None:
         print(markdown)
     else:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(markdown)
+        write_section(args.out, SECTION, markdown)
         args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
         progress(f"wrote {args.out} and {args.out.with_suffix('.json')}")
     progress(f"total runtime {report['runtime_s']:.0f} s")

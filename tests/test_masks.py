@@ -21,6 +21,7 @@ PATTERNS = {
     "document": masks.document([10, 0, 33, 20]),
     "prefix_lm": masks.prefix_lm(9),
     "padding": masks.padding([63, 20, 0]),
+    "key_mask": masks.key_mask(torch.rand(2, 63, generator=torch.Generator().manual_seed(2)) > 0.3),
     "longformer": masks.sliding_window(4) | masks.global_tokens([1, 30]),
     "and-not": masks.causal() & ~masks.sliding_window(3),
     "doc-causal": masks.document([30, 33]) & masks.causal(),
@@ -164,6 +165,11 @@ def test_density_and_show():
         (lambda: masks.padding([1.5]), TypeError, r"lengths must hold ints"),
         (lambda: masks.bigbird(1, 1, 1, 0), ValueError, r"block=0 must be ≥ 1"),
         (lambda: masks.from_tensor(torch.ones(3, 3)), TypeError, r"from_tensor needs a bool"),
+        (
+            lambda: masks.key_mask(torch.ones(3)),
+            TypeError,
+            r"key_mask needs a bool tensor \(B, Nk\)",
+        ),
         (lambda: masks.causal() & 3, TypeError, r"unsupported operand"),
     ],
 )
@@ -195,6 +201,12 @@ def test_bad_arguments(make, exc, match):
             r"has shape \(Nq, Nk\)=\(4, 5\)",
         ),
         (masks.document([4, 4]), 9, 8, r"document needs Nq ≤ Nk"),
+        (
+            masks.key_mask(torch.ones(1, 5, dtype=torch.bool)),
+            6,
+            6,
+            r"key_mask covers 5 keys, but the sequence has 6",
+        ),
     ],
 )
 def test_mask_that_does_not_fit_the_problem(mask, nq, nk, match):

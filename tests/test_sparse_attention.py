@@ -77,6 +77,17 @@ def test_gradcheck_fp64(name):
     )
 
 
+def test_key_mask_with_left_and_right_padding():
+    q, k, v = make_qkv(B=2, H=2, Nq=30, D=8, dtype=torch.float64)
+    valid = torch.ones(2, 30, dtype=torch.bool)
+    valid[0, :11] = False  # left padding
+    valid[1, 19:] = False  # right padding
+    m = masks.key_mask(valid)
+    out = qkv.attention(q, k, v, mask=m, causal=True, backend=SMALL)
+    ref = _dense_reference(q, k, v, m, causal=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
 def test_padding_mask_per_batch_element():
     q, k, v = make_qkv(B=3, H=2, Nq=30, D=8, dtype=torch.float64)
     m = masks.padding([30, 7, 0])

@@ -530,6 +530,35 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> Mask:
     return Mask(rule=rule, bounds=bounds, name=f"padding({lens})", batch=len(lens), check=check)
 
 
+def key_mask(valid: torch.Tensor) -> Mask:
+    """Per batch element, which keys are real: `valid` is bool `(B, Nk)` (True = a real token),
+    as in a transformers `attention_mask`; padding may sit anywhere (left or right)."""
+    if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
+        got = f"{valid.dtype} {tuple(valid.shape)}" if isinstance(valid, torch.Tensor) else valid
+        raise TypeError(f"key_mask needs a bool tensor (B, Nk), got {got}")
+    table = valid.to("cpu")
+    counts = torch.nn.functional.pad(table.long().cumsum(1), (1, 0))  # (B, Nk + 1)
+
+    def rule(b, h, q, kv, n):
+        return valid[b, kv]
+
+    def bounds(b, h, ql, qh, kl, kh, n):
+        real = counts[b, kh + 1] - counts[b, kl]  # real keys in each tile, per batch element
+        return real > 0, real == kh - kl + 1
+
+    def check(nq, nk):
+        if table.shape[1] != nk:
+            raise ValueError(f"key_mask covers {table.shape[1]} keys, but the sequence has {nk}")
+
+    return Mask(
+        rule=rule,
+        bounds=bounds,
+        name=f"key_mask(B={table.shape[0]}, Nk={table.shape[1]})",
+        batch=table.shape[0],
+        check=check,
+    )
+
+
 def bigbird(window: int, n_global: int, n_random: int, block: int, seed: int = 0) -> Mask:
     """BigBird (Zaheer et al. 2020) at block granularity: with blocks of `block` positions, query
     block i attends key blocks j with |i − j| ≤ window, the first `n_global` blocks attend and
