@@ -229,7 +229,8 @@ def make_plan(
         head_dim=D,
         v_dim=Dv,
         scale=scale_f,
-        causal=causal,
+        # A single query row (decoding) sees every key under bottom-right causality.
+        causal=causal and Nq > 1,
         mask=bool_mask,
         bias=bias,
         mask_rule=rule,
