@@ -279,8 +279,8 @@ def _backward(
                         acc_g.add_(g)
             dq[:, :, :, i0:i1].add_((ds @ k_t).view(B, Hkv, G, n, D))
             dk_t.add_(ds.transpose(-1, -2) @ q_t)
-    dq = (dq * plan.scale).reshape(B, plan.heads, Nq, D)
-    dk = dk * (1.0 / T.unit)  # q_t carried scale · unit; dK needs scale only
+    dq = dq.mul_(plan.scale).reshape(B, plan.heads, Nq, D)  # in place: no second O(N·d) copy
+    dk = dk.mul_(1.0 / T.unit)  # q_t carried scale · unit; dK needs scale only
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
 
 
