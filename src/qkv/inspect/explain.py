@@ -1,0 +1,151 @@
+"""The textbook walk-through on real numbers: X → Q, K, V → S → S/√d_k → A → Out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import reference
+
+# One line of meaning per step, in each language the walk-through speaks.
+TEXT = {
+    "en": {
+        "title": (
+            "Self-attention on N={n} tokens of width d={d}, projected to d_k={dk} "
+            "(seed {seed}{causal})."
+        ),
+        "causal": ", causal",
+        "X": "the input: one row per token",
+        "W": "learned projections d → d_k (W^V: d → d_v)",
+        "Q": "queries: what each token is looking for",
+        "K": "keys: what each token offers to be found by",
+        "V": "values: what each token hands over when attended to",
+        "S": "raw similarity of every query with every key",
+        "S_scaled": "scaled by 1/√d_k = {inv:.4f} so the softmax does not saturate",
+        "A": "softmax by rows: each row is a distribution over keys",
+        "rows": "row sums (each must be 1): {sums} → {ok}",
+        "ok": "ok",
+        "bad": "NOT 1",
+        "Out": "each token's new representation: a weighted mix of the values",
+        "cost": "Cost of one head (FLOPs = 4·N²·d_k for QKᵀ and AV; scores stored as fp32):",
+        "case": {4: "this example", 512: "BERT", 2048: "GPT-3", 1_048_576: "long document"},
+        "shape": "shape",
+    },
+    "zh": {
+        "title": "自注意力：N={n} 个词元，宽度 d={d}，投影到 d_k={dk}（随机种子 {seed}{causal}）。",
+        "causal": "，因果掩码",
+        "X": "输入：每行是一个词元",
+        "W": "可学习的投影矩阵 d → d_k（W^V：d → d_v）",
+        "Q": "查询：每个词元在寻找什么",
+        "K": "键：每个词元可以被怎样找到",
+        "V": "值：每个词元被关注时交出的内容",
+        "S": "每个查询与每个键的原始相似度",
+        "S_scaled": "除以 √d_k（乘 {inv:.4f}），避免 softmax 饱和",
+        "A": "按行做 softmax：每一行是对所有键的概率分布",
+        "rows": "每行之和（应为 1）：{sums} → {ok}",
+        "ok": "正确",
+        "bad": "不等于 1",
+        "Out": "每个词元的新表示：值向量的加权平均",
+        "cost": "单个注意力头的代价（FLOPs = 4·N²·d_k，含 QKᵀ 与 AV；分数矩阵按 fp32 存储）：",
+        "case": {4: "本例", 512: "BERT", 2048: "GPT-3", 1_048_576: "长文档"},
+        "shape": "形状",
+    },
+}
+COST_SIZES = (512, 2048, 1_048_576)
+
+
+@dataclass(frozen=True)
+class Walkthrough:
+    """Every matrix of the walk-through (float64), as `qkv.reference.steps` computes them."""
+
+    X: torch.Tensor  # (N, d) the input
+    W_q: torch.Tensor  # (d, d_k)
+    W_k: torch.Tensor  # (d, d_k)
+    W_v: torch.Tensor  # (d, d_k)
+    Q: torch.Tensor  # (N, d_k)
+    K: torch.Tensor  # (N, d_k)
+    V: torch.Tensor  # (N, d_k)
+    S: torch.Tensor  # (N, N) Q Kᵀ
+    S_scaled: torch.Tensor  # (N, N) S / √d_k (−inf where causal hides a key)
+    A: torch.Tensor  # (N, N) row softmax
+    Out: torch.Tensor  # (N, d_k) A V
+    causal: bool
+    seed: int
+
+
+def walkthrough(
+    n: int = 4, d: int = 8, d_k: int = 4, seed: int = 0, causal: bool = False
+) -> Walkthrough:
+    """Random X and projections (fixed seed), then the formula step by step."""
+    for name, val in (("n", n), ("d", d), ("d_k", d_k)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d, generator=g, dtype=torch.float64)
+    W_q, W_k, W_v = (torch.randn(d, d_k, generator=g, dtype=torch.float64) for _ in range(3))
+    Q, K, V = X @ W_q, X @ W_k, X @ W_v
+    st = reference.steps(Q, K, V, causal=causal)
+    return Walkthrough(X, W_q, W_k, W_v, Q, K, V, st.S, st.S_scaled, st.A, st.out, causal, seed)
+
+
+def cost(n: int, d_k: int) -> tuple[int, int]:
+    """(FLOPs of one head's QKᵀ and AV, bytes of its fp32 score matrix) at sequence length n."""
+    return 4 * n * n * d_k, 4 * n * n
+
+
+def _human(x: float, unit: str) -> str:
+    for prefix in ("", "K", "M", "G", "T", "P"):
+        if abs(x) < 1000:
+            return f"{x:.3g} {prefix}{unit}"
+        x /= 1000
+    return f"{x:.3g} E{unit}"
+
+
+def _matrix(t: torch.Tensor) -> str:
+    rows = []
+    for row in t.tolist():
+        rows.append(
+            "  [" + " ".join(f"{v:8.3f}" if v != float("-inf") else "    -inf" for v in row) + "]"
+        )
+    return "\n".join(rows)
+
+
+def render(w: Walkthrough, lang: str = "en") -> str:
+    """The walk-through as text, in English (`en`) or Chinese (`zh`)."""
+    if lang not in TEXT:
+        raise ValueError(f"lang must be one of {sorted(TEXT)}, got {lang!r}")
+    t = TEXT[lang]
+    n, d = w.X.shape
+    dk = w.Q.shape[1]
+    out = [t["title"].format(n=n, d=d, dk=dk, seed=w.seed, causal=t["causal"] if w.causal else "")]
+
+    def step(name: str, m: torch.Tensor, meaning: str) -> None:
+        out.append(f"\n{name}  {t['shape']} {tuple(m.shape)} — {meaning}")
+        out.append(_matrix(m))
+
+    step("X", w.X, t["X"])
+    out.append(f"\nW^Q, W^K, W^V  {t['shape']} {tuple(w.W_q.shape)} — {t['W']}")
+    step("Q = X W^Q", w.Q, t["Q"])
+    step("K = X W^K", w.K, t["K"])
+    step("V = X W^V", w.V, t["V"])
+    step("S = Q Kᵀ", w.S, t["S"])
+    step("S / √d_k", w.S_scaled, t["S_scaled"].format(inv=dk**-0.5))
+    step("A = softmax(S / √d_k)", w.A, t["A"])
+    sums = w.A.sum(-1)
+    ok = bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-12))
+    out.append(
+        "  "
+        + t["rows"].format(
+            sums=[round(x, 6) for x in sums.tolist()], ok=t["ok"] if ok else t["bad"]
+        )
+    )
+    step("Out = A V", w.Out, t["Out"])
+    out.append("\n" + t["cost"])
+    for size in (n, *COST_SIZES):
+        flops, nbytes = cost(size, dk)
+        label = t["case"].get(size, "")
+        out.append(
+            f"  N = {size:>9,}  {label:<14} {_human(flops, 'FLOP'):>12}  {_human(nbytes, 'B'):>10}"
+        )
+    return "\n".join(out)
