@@ -24,7 +24,8 @@ def all_finite(t: torch.Tensor) -> bool:
     """True when `t` holds no NaN or ±inf. One reduction in the common case: a finite sum
     proves it (a NaN or inf anywhere makes the sum non-finite); only a non-finite sum, which
     huge finite values can also cause, pays for the element-wise check."""
-    if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float64 if t.is_cpu else None))):
+    low = t.dtype in (torch.float16, torch.bfloat16)  # their sums overflow too easily
+    if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32 if low else None))):
         return True
     return bool(torch.isfinite(t).all())
 
