@@ -35,6 +35,7 @@ import torch
 
 DTYPE = torch.float32
 SEED = 0
+BATCH, HEADS, HEAD_DIM = 1, 8, 64  # the attention shape core.py and sparse.py measure
 MATMUL_SIZE = 2048
 MATMUL_REPEATS = 10
 
@@ -53,6 +54,21 @@ Repeats = int | Callable[[Mapping[str, float]], Mapping[str, int]]
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_inputs(
+    n: int, requires_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of shape (B, H, n, D) and a fixed upstream gradient of the output's shape."""
+    gen = torch.Generator().manual_seed(SEED)
+    shape = (BATCH, HEADS, n, HEAD_DIM)
+    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=DTYPE) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    return q, k, v, grad
 
 
 # --------------------------------------------------------------------------- timing

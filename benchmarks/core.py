@@ -42,15 +42,18 @@ import torch.nn.functional as F
 
 import qkv
 from _harness import (
+    BATCH,
     DTYPE,
+    HEAD_DIM,
+    HEADS,
     MATMUL_REPEATS,
     MATMUL_SIZE,
-    SEED,
     ProbeResult,
     fmt,
     interleave,
     limit_address_space,
     machine_info,
+    make_inputs,
     matmul_gflops,
     measure_in_process,
     peak_rss_mib,
@@ -60,7 +63,6 @@ from _harness import (
     write_section,
 )
 
-BATCH, HEADS, HEAD_DIM = 1, 8, 64
 IMPLS = ("tiled", "auto", "naive", "sdpa")
 MODES = ("dense", "causal")
 ANCHOR = "sdpa"
@@ -113,18 +115,6 @@ IMPLEMENTATIONS: dict[str, Attention] = {
 
 
 # --------------------------------------------------------------------------- measurement helpers
-
-
-def make_inputs(
-    n: int, requires_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v of shape (B, H, n, D) and a fixed upstream gradient of the output's shape."""
-    gen = torch.Generator().manual_seed(SEED)
-    shape = (BATCH, HEADS, n, HEAD_DIM)
-    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=DTYPE) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(requires_grad)
-    return q, k, v, grad
 
 
 def forward_flops(n: int, causal: bool) -> float:

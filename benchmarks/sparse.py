@@ -51,10 +51,12 @@ import torch.nn.functional as F
 
 import qkv
 from _harness import (
+    BATCH,
     DTYPE,
+    HEAD_DIM,
+    HEADS,
     MATMUL_REPEATS,
     MATMUL_SIZE,
-    SEED,
     ProbeResult,
     cpu_busy_fraction,
     cpu_pressure_total_s,
@@ -62,6 +64,7 @@ from _harness import (
     interleave,
     limit_address_space,
     machine_info,
+    make_inputs,
     matmul_gflops,
     measure_in_process,
     peak_rss_mib,
@@ -73,7 +76,6 @@ from _harness import (
 from qkv import masks
 from qkv.kernels.tiled import BLOCK_K, BLOCK_Q
 
-BATCH, HEADS, HEAD_DIM = 1, 8, 64
 TILE = BLOCK_Q  # the tiled kernel's 64×64 tile: the unit it skips or computes
 WINDOW = 256
 N_GLOBAL = 16
@@ -256,18 +258,6 @@ def kept_tile_flops(kept_tiles: int, backward: bool) -> float:
 
 
 # --------------------------------------------------------------------------- implementations
-
-
-def make_inputs(
-    n: int, requires_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v of shape (B, H, n, D) and a fixed upstream gradient of the output's shape."""
-    gen = torch.Generator().manual_seed(SEED)
-    shape = (BATCH, HEADS, n, HEAD_DIM)
-    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=DTYPE) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(requires_grad)
-    return q, k, v, grad
 
 
 def qkv_call(pattern: Pattern, mask: masks.Mask, backend: str) -> Call:
