@@ -90,6 +90,13 @@ class MultiHeadAttention(nn.Module):
         dropout: attention dropout probability, applied in training mode only.
         rope: None, True (RoPE over the whole head) or a `RotaryEmbedding`.
         backend: passed to `qkv.attention`.
+        sequence_parallel: None (one process), or run attention over a sequence sharded across
+            processes: a `qkv.distributed.SequenceParallel` (group, layout, ring/ulysses), a
+            `torch.distributed` ProcessGroup or True (the default group; zigzag, ring). Then
+            `x` is this rank's shard `(B, N/P, d_model)` (see `qkv.distributed.shard`), RoPE
+            uses global positions, `mask` must be a structured `qkv.masks.Mask` over global
+            positions, and the output is this rank's shard. `qkv.distributed.parallelize(model)`
+            sets it on every MultiHeadAttention of a model.
 
     `forward(x, context=None, mask=None, causal=False, cache=None, return_weights=False)`:
     self-attention on `x (B, N, d_model)` (or `(N, d_model)`), or cross-attention from `x` to
@@ -108,6 +115,7 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         rope: bool | RotaryEmbedding | None = None,
         backend: object = "auto",
+        sequence_parallel: object = None,
     ):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -136,6 +144,11 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.rope = RotaryEmbedding(head_dim) if rope is True else (rope or None)
+        self.sequence_parallel = None
+        if sequence_parallel is not None:  # imported only when asked for: keeps `import qkv` light
+            from ..distributed import SequenceParallel
+
+            self.sequence_parallel = SequenceParallel.of(sequence_parallel)
 
     def extra_repr(self) -> str:
         return (
@@ -170,6 +183,15 @@ class MultiHeadAttention(nn.Module):
         q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, N, hd)
         k = self._heads(self.k_proj(src), self.n_kv_heads)  # (B, Hkv, M, hd)
         v = self._heads(self.v_proj(src), self.n_kv_heads)
+        if self.sequence_parallel is not None:
+            self._check_sharded(context, mask, cache, return_weights)
+            sp = self.sequence_parallel
+            if self.rope is not None:  # the global positions of this rank's tokens
+                pos = sp.positions(N, device=x.device)
+                q, k = self.rope(q, pos), self.rope(k, pos)
+            out = sp.attention(q, k, v, causal=causal, mask=mask)  # (B, H, N/P, hd)
+            out = self.o_proj(out.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim))
+            return out[0] if unbatched else out
         start = cache.length if cache is not None else 0
         if self.rope is not None:
             q = self.rope(q, torch.arange(start, start + N, device=x.device))
@@ -200,6 +222,22 @@ class MultiHeadAttention(nn.Module):
             out = out[0]
             weights = weights[0] if weights is not None else None
         return (out, weights) if return_weights else out
+
+    def _check_sharded(self, context, mask, cache, return_weights) -> None:
+        unsupported = {
+            "context (cross-attention)": context is not None,
+            "a KVCache": cache is not None,
+            "return_weights": return_weights,
+            "attention dropout in training mode": self.training and self.dropout > 0,
+        }
+        for what, used in unsupported.items():
+            if used:
+                raise NotImplementedError(f"sequence-parallel attention does not support {what}")
+        if mask is not None and not isinstance(mask, masks.Mask):
+            raise TypeError(
+                "with sequence_parallel, mask must be a structured qkv.masks.Mask over global "
+                f"positions, got {type(mask).__name__}"
+            )
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:

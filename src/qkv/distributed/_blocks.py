@@ -1,0 +1,204 @@
+"""One block of ring attention: queries of this rank × keys of one rank, at global positions.
+
+A rank's shard is one run of positions (contiguous layout) or two (zigzag). A *block* pairs a
+run of query rows with a run of key rows. Causality is decided per block from the global
+positions (a block is entirely in the future, entirely in the past, or on the diagonal, because
+the runs are equal, aligned chunks), and a structured `qkv.masks.Mask` is evaluated at the
+block's global positions through `at_offset`, which also lets its tile bounds skip a block that
+the mask leaves empty.
+
+The per-block kernels are the tiled backend's forward and backward loops. The backward is
+handed the *merged* (global) output and lse of the query rows: with those,
+`P = exp(S − lse)` of the block is exactly the block's share of the global softmax, so the
+block's dQ, dK, dV are its exact contributions to the global gradients (FlashAttention-2's
+backward is already written per tile this way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.schedule import tile_kinds
+from ..kernels.tiled import TiledBackend, _backward, _forward, _Tiles
+from ..masks import EMPTY, Mask
+from ..plan import make_plan
+from .layout import Segment, segments
+
+
+def at_offset(
+    mask: Mask,
+    q_start: int,
+    k_start: int,
+    n_global: int,
+    head_start: int = 0,
+    heads: int | None = None,
+) -> Mask:
+    """`mask` (written for the whole N×N problem and all H heads) seen from a block whose query
+    rows start at global position `q_start` and whose keys start at `k_start`, holding heads
+    `head_start …` (`heads` of them). The block must be square (as many queries as keys), so
+    that a local row index is the local query position."""
+    rule, bounds = mask._rule, mask._bounds
+
+    def shifted_rule(b, h, q, kv, n):
+        return rule(b, h + head_start, q + q_start, kv + k_start, n_global)
+
+    shifted_bounds = None
+    if bounds is not None:
+
+        def shifted_bounds(b, h, ql, qh, kl, kh, n):
+            hh = h + head_start
+            return bounds(b, hh, ql + q_start, qh + q_start, kl + k_start, kh + k_start, n_global)
+
+    return Mask(
+        rule=shifted_rule,
+        bounds=shifted_bounds,
+        name=f"{mask!r} @ (q+{q_start}, k+{k_start}, h+{head_start})",
+        batch=mask.batch,
+        heads=heads if mask.heads is not None else None,
+    )
+
+
+def has_bounds(mask: Mask | None) -> bool:
+    return mask is not None and mask._bounds is not None
+
+
+@dataclass(frozen=True)
+class Block:
+    """Query rows `q` of this rank's shard against key rows `k` of another rank's shard."""
+
+    q: Segment  # the query run (global start, length, rows in the shard)
+    k: Segment  # the key run
+    causal: bool  # on the diagonal: apply causality inside the block
+
+
+def schedule(
+    q_rank: int,
+    k_rank: int,
+    world: int,
+    n_local: int,
+    layout: str,
+    causal: bool,
+    mask: Mask | None,
+) -> tuple[list[Block], int]:
+    """The blocks rank `q_rank` computes against the keys of `k_rank`, and how many it skips.
+
+    Without causality or a mask the whole shard is one block (one kernel call)."""
+    q_segs = segments(q_rank, world, n_local, layout)
+    k_segs = segments(k_rank, world, n_local, layout)
+    if not causal and mask is None:
+        whole_q = Segment(q_segs[0].start, n_local, 0)
+        whole_k = Segment(k_segs[0].start, n_local, 0)
+        return [Block(whole_q, whole_k, False)], 0
+    n_global = n_local * world
+    blocks, skipped = [], 0
+    for qs in q_segs:
+        for ks in k_segs:
+            diagonal = False
+            if causal:
+                if ks.start >= qs.stop:  # every key after every query
+                    skipped += 1
+                    continue
+                diagonal = ks.stop - 1 > qs.start  # some key after some query
+                if diagonal and (ks.start, ks.length) != (qs.start, qs.length):
+                    raise AssertionError("runs of equal, aligned chunks overlap only as equals")
+            if has_bounds(mask):
+                assert mask is not None
+                shifted = at_offset(mask, qs.start, ks.start, n_global, 0, mask.heads)
+                if not bool(
+                    (shifted.blocks(qs.length, ks.length, qs.length, ks.length).kind != EMPTY).any()
+                ):
+                    skipped += 1
+                    continue
+            blocks.append(Block(qs, ks, diagonal))
+    return blocks, skipped
+
+
+def block_mask(
+    block: Block, mask: Mask | None, n_global: int, head_start: int, heads: int
+) -> Mask | None:
+    if mask is None:
+        return None
+    return at_offset(mask, block.q.start, block.k.start, n_global, head_start, heads)
+
+
+def _plan(q, k, v, block: Block, mask: Mask | None, scale: float):
+    return make_plan(q, k, v, mask=mask, causal=block.causal, scale=scale, return_lse=True)
+
+
+def forward(
+    backend: TiledBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block: Block,
+    mask: Mask | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(out, lse, tiles computed) of one block; q, k, v already cut to the block, in the
+    compute dtype."""
+    tiles = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
+    out, lse = _forward(tiles, q, k, v)
+    return out, lse, int((tiles.kinds != EMPTY).sum())
+
+
+def backward(
+    backend: TiledBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+    block: Block,
+    mask: Mask | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's contributions (dq, dk, dv), given the merged out/lse of its query rows."""
+    tiles = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
+    dq, dk, dv, _ = _backward(tiles, q, k, v, out, lse, dout, dlse)
+    return dq, dk, dv
+
+
+def merge_(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """Fold one block's (out, lse) into the running (out, lse), in place, exactly:
+    `lse' = log(e^lse + e^lse_b)`, `out' = e^(lse − lse') out + e^(lse_b − lse') out_b`.
+    Rows that no key reached so far keep lse = −inf and out = 0."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isneginf(new), 0.0, new)
+    a = torch.exp(lse - safe).unsqueeze(-1)  # (…, n, 1): e^−inf = 0 for rows not reached yet
+    b = torch.exp(block_lse - safe).unsqueeze(-1)
+    out.mul_(a).add_(block_out * b)
+    lse.copy_(new)
+
+
+def tiles_per_rank(
+    seq_len: int,
+    world: int,
+    layout: str = "contiguous",
+    causal: bool = False,
+    mask: Mask | None = None,
+    block: int = 64,
+) -> list[int]:
+    """Tiles (block × block of the tiled kernel) each rank computes in one ring forward over a
+    sequence of `seq_len` tokens, without running it: the work balance of a layout."""
+    n_local = seq_len // world
+    backend = TiledBackend(block, block)
+    counts = []
+    for rank in range(world):
+        total = 0
+        for step in range(world):
+            src = (rank - step) % world
+            blocks, _ = schedule(rank, src, world, n_local, layout, causal, mask)
+            for blk in blocks:
+                q = torch.empty(1, 1, blk.q.length, 1, device="meta")
+                k = torch.empty(1, 1, blk.k.length, 1, device="meta")
+                m = block_mask(blk, mask, seq_len, 0, mask.heads if mask else None)
+                plan = _plan(q, k, k, blk, m, 1.0)
+                total += int((tile_kinds(plan, backend.block_q, backend.block_k) != EMPTY).sum())
+        counts.append(total)
+    return counts

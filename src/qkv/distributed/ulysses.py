@@ -1,0 +1,138 @@
+"""All-to-all (DeepSpeed-Ulysses) attention: trade sequence shards for head shards and back.
+
+Each rank holds N/P tokens of all H heads. One all-to-all per tensor gives every rank all N
+tokens of H/P heads; each rank runs ordinary `qkv.attention` over the whole sequence for its
+heads (any backend, any mask, causal or not, with no merging); a last all-to-all returns the
+output to sequence shards::
+
+    q, k, v  (B, H, N/P, D)  ──all-to-all──▶  (B, H/P, N, D)  ──qkv.attention──▶  (B, H/P, N, Dv)
+    out      (B, H, N/P, Dv) ◀──all-to-all──────────────────────────────────────────┘
+
+When it beats the ring: each rank sends 4·(P−1)/P of its shard (q, k, v, out) in four
+collective steps, whatever P, against the ring's P−1 sends of its key/value block (and twice
+that again in the backward), so on a fast all-to-all interconnect (NVLink within a node) Ulysses
+moves fewer bytes once P ≥ 3 and runs the local kernel at full efficiency (one big problem per
+rank, no merging). It needs H divisible by P (with grouped-query heads, the key/value heads are
+repeated up to a multiple of P, which costs memory and bytes), so P is capped by the head count,
+and each rank holds the whole sequence for H/P heads, so per-rank memory still grows with N.
+The ring has no head constraint, overlaps its transfers with compute, needs only neighbour
+links (it scales across nodes), and skips blocks that causality or a sparse mask leave empty.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..functional import attention
+from ..masks import Mask
+from ..plan import from_4d, to_4d
+from . import _comm
+from ._blocks import at_offset
+from ._problem import validate
+from .layout import positions_of
+
+
+def _seq_to_heads(x: torch.Tensor, world: int, group: object) -> torch.Tensor:
+    """`(B, Hx, n, …)` sequence shard → `(B, Hx/P, P·n, …)`: all tokens (rank-major) of this
+    rank's heads."""
+    B, Hx, n = x.shape[:3]
+    rest = x.shape[3:]
+    x = x.reshape(B, world, Hx // world, n, *rest).transpose(0, 1)  # (P, B, Hx/P, n, …)
+    y = _comm.AllToAll.apply(x, group)  # y[p]: rank p's tokens of our heads
+    y = y.transpose(0, 1).transpose(1, 2)  # (B, Hx/P, P, n, …)
+    return y.reshape(B, Hx // world, world * n, *rest)
+
+
+def _heads_to_seq(y: torch.Tensor, world: int, group: object) -> torch.Tensor:
+    """`(B, Hx/P, P·n, …)` (rank-major tokens of our heads) → `(B, Hx, n, …)` our tokens."""
+    B, h, N = y.shape[:3]
+    rest = y.shape[3:]
+    n = N // world
+    y = y.reshape(B, h, world, n, *rest).transpose(1, 2).transpose(0, 1)  # (P, B, h, n, …)
+    z = _comm.AllToAll.apply(y, group)  # z[p]: head group p's results for our tokens
+    return z.transpose(0, 1).reshape(B, h * world, n, *rest)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    mask: Mask | None = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    group: object = None,
+    return_lse: bool = False,
+    backend: object = "auto",
+):
+    """Exact attention over a sequence sharded across ranks, by all-to-all (Ulysses).
+
+    Same arguments, shapes and result as `qkv.distributed.ring_attention` (this rank's shard
+    of `qkv.attention` over the whole sequence), plus `backend` for the local attention. The
+    query heads H must be divisible by the number of ranks P; key/value heads that are not are
+    repeated up to the smallest multiple of P that H allows.
+
+    Prefer it to the ring when H is divisible by P and the all-to-all is fast (GPUs of one node):
+    it sends 4·(P−1)/P of a shard per rank in the forward where the ring sends P−1 key/value
+    blocks, and runs one big local problem. Prefer the ring across slow links, for P > H, for
+    causal or sparse masks (the ring skips empty blocks) and when memory per rank must shrink
+    with P for every head (Ulysses holds the whole sequence for its H/P heads).
+    """
+
+    def extra(world, heads, kv_heads, n_local):
+        if heads % world:
+            raise ValueError(
+                f"ulysses_attention gives each rank H/P heads: the query heads H={heads} must "
+                f"be divisible by the number of ranks P={world}; use ring_attention"
+            )
+
+    problem = validate(
+        "ulysses_attention",
+        q,
+        k,
+        v,
+        causal=causal,
+        mask=mask,
+        scale=scale,
+        layout=layout,
+        group=group,
+        return_lse=return_lse,
+        extra=extra,
+    )
+    P, rank = problem.world, problem.rank
+    kwargs = dict(causal=causal, scale=problem.scale, return_lse=return_lse, backend=backend)
+    if P == 1:
+        return attention(q, k, v, mask=mask, **kwargs)
+    q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
+    H, Hkv = problem.heads, problem.kv_heads
+    repeat = P // math.gcd(Hkv, P)  # divides H/Hkv because P divides H
+    if repeat > 1:  # query head h still reads kv head h // (H/Hkv) of the original
+        k4, v4 = k4.repeat_interleave(repeat, 1), v4.repeat_interleave(repeat, 1)
+    order = inverse = None
+    if problem.layout != "contiguous":  # rank-major token order → global order and back
+        inverse = torch.cat(
+            [positions_of(r, P, problem.n_local, problem.layout) for r in range(P)]
+        ).to(q4.device)
+        order = torch.argsort(inverse)
+
+    def gather(x):
+        x = _seq_to_heads(x, P, problem.group)
+        return x if order is None else x.index_select(2, order)
+
+    def scatter(y):
+        if order is not None:
+            y = y.index_select(2, inverse)
+        return _heads_to_seq(y, P, problem.group)
+
+    m = None
+    if mask is not None:
+        m = at_offset(mask, 0, 0, problem.n_global, rank * (H // P), H // P)
+    res = attention(gather(q4), gather(k4), gather(v4), mask=m, **kwargs)
+    out, lse = res if return_lse else (res, None)
+    out = from_4d(scatter(out), problem.input_rank)
+    if lse is None:
+        return out
+    return out, from_4d(scatter(lse.unsqueeze(-1)).squeeze(-1), problem.input_rank)
