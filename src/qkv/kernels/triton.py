@@ -37,6 +37,7 @@ import importlib.util
 import inspect
 import math
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -60,7 +61,12 @@ def triton_available() -> bool:
 
 
 def interpreting() -> bool:
-    """True when Triton's interpreter is switched on (`TRITON_INTERPRET=1`)."""
+    """True when the kernels run in Triton's interpreter: once `triton_kernels` is imported,
+    whether its kernels were decorated in interpreter mode (`triton.jit` reads the variable at
+    decoration time); before that, whether `TRITON_INTERPRET=1` is set now."""
+    kernels = sys.modules.get(f"{__package__}.triton_kernels")
+    if kernels is not None:
+        return kernels.INTERPRETED
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -409,6 +415,7 @@ class _Call:
             SOFTCAP=spec is not None and spec.cap is not None,
             DROPOUT=self.drop is not None,
             PREC="ieee" if plan.dtype == torch.float32 else "tf32",
+            UPCAST=plan.dtype == torch.bfloat16 and interpreting(),
         )
         return args, meta
 

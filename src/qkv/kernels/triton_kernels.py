@@ -64,6 +64,16 @@ def _tanh(x):
 
 
 @triton.jit
+def _mma(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """`tl.dot(a, b, acc)`. UPCAST (set only in the interpreter for bf16, whose numpy `dot`
+    mishandles bf16) multiplies the same bf16 values in fp32: the products of two bf16 numbers
+    are exact in fp32, as in the GPU's bf16 MMA with fp32 accumulation."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
 def _mix32(x):
     """`qkv.dropout._mix32` on uint32: wrapping products equal the reference's `& 0xFFFFFFFF`."""
     x = x ^ (x >> 16)
@@ -176,6 +186,7 @@ def _fwd_step(
     DV: tl.constexpr, DV_PAD: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BANK: tl.constexpr, HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr,
     REL_POS: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One key tile j of the online softmax for one query tile."""
     cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,7 +198,7 @@ def _fwd_step(
         mask=(cols[None, :] < Nk) & (dk[:, None] < D),
         other=0.0,
     )
-    qk = tl.dot(q, kt, input_precision=PREC)
+    qk = _mma(q, kt, None, PREC, UPCAST)
     s, _t = _scores(qk, rows, cols, b, h, Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm,
                     sbn, SLOPES, REL, srh, REL_M, cap, HAS_BIAS, NATURAL, ALIBI, REL_POS,
                     SOFTCAP)  # fmt: skip
@@ -207,7 +218,7 @@ def _fwd_step(
         other=0.0,
     )
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    acc = _mma(p.to(v.dtype), v, acc, PREC, UPCAST)
     return acc, m_new, l_i
 
 
@@ -222,7 +233,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_BANK: tl.constexpr,
     HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -251,7 +262,7 @@ def _attn_fwd(
             acc, m_i, l_i, q, j, -1, rows, b, h, bh, Kb, Vb, skn, skd, svn, svd,
             Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M,
             cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, D, D_PAD, DV, DV_PAD, False, CAUSAL,
-            HAS_BANK, HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC,
+            HAS_BANK, HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
         )  # fmt: skip
     n_part = tl.load(PART_NUM + lrow)
     for t in range(n_part):
@@ -261,7 +272,7 @@ def _attn_fwd(
             acc, m_i, l_i, q, j, code, rows, b, h, bh, Kb, Vb, skn, skd, svn, svd,
             Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M,
             cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, D, D_PAD, DV, DV_PAD, True, CAUSAL,
-            HAS_BANK, HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC,
+            HAS_BANK, HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
         )  # fmt: skip
     empty = l_i == 0.0  # nothing allowed in this row: out 0, lse −inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -282,10 +293,11 @@ def _bwd_probs(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BANK: tl.constexpr, HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr,
     REL_POS: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Recompute one tile's P from lse; return (P after dropout, dS at the modifiers' output,
     dS at Q Kᵀ · scale, t) — the two dS differ only through the softcap."""
-    qk = tl.dot(q, kt, input_precision=PREC)
+    qk = _mma(q, kt, None, PREC, UPCAST)
     s, t = _scores(qk, rows, cols, b, h, Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm,
                    sbn, SLOPES, REL, srh, REL_M, cap, HAS_BIAS, NATURAL, ALIBI, REL_POS,
                    SOFTCAP)  # fmt: skip
@@ -293,7 +305,7 @@ def _bwd_probs(
         ok = _allowed(rows, cols, code, Nk, OFF, BANK, BLOCK_M, BLOCK_N, CAUSAL, HAS_BANK)
         s = tl.where(ok, s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(do, vt, input_precision=PREC)
+    dp = _mma(do, vt, None, PREC, UPCAST)
     if DROPOUT:
         keep = _keep(bh, rows, cols, DROP)
         pd = tl.where(keep, p * keep_scale, 0.0)
@@ -319,7 +331,7 @@ def _attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_BANK: tl.constexpr,
     HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key tile of kv head hk: loops over the G query heads that share it and,
     per head, the query tiles its (transposed) tile list keeps. Lists are by key tile here:
@@ -381,10 +393,10 @@ def _attn_bwd_dkdv(
                     q, do, lse2, delta, kt, vt, rows, cols, code, b, h, bh,
                     Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh,
                     REL_M, cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, part == 1, CAUSAL,
-                    HAS_BANK, HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC,
+                    HAS_BANK, HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
                 )  # fmt: skip
-                dv = tl.dot(tl.trans(pd).to(do.dtype), do, dv, input_precision=PREC)
-                dk = tl.dot(tl.trans(ds_in).to(q.dtype), q, dk, input_precision=PREC)
+                dv = _mma(tl.trans(pd).to(do.dtype), do, dv, PREC, UPCAST)
+                dk = _mma(tl.trans(ds_in).to(q.dtype), q, dk, PREC, UPCAST)
     dk = dk * sm_scale
     tl.store(
         DK_OUT + b * sdkb + hk * sdkh + cols64[:, None] * sdkn + dq_[None, :] * sdkd,
@@ -410,7 +422,8 @@ def _attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_BANK: tl.constexpr,
     HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, REL_GRAD: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    REL_GRAD: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile; with REL_GRAD also the relative-bias table's gradient
     (atomic adds into DREL, fp32, same layout as the table)."""
@@ -469,14 +482,14 @@ def _attn_bwd_dq(
                 q, do, lse2, delta, kt, vt, rows, cols, code, b, h, bh,
                 Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh,
                 REL_M, cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, part == 1, CAUSAL, HAS_BANK,
-                HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC,
+                HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
             )  # fmt: skip
             if REL_GRAD:
                 dist = (rows[:, None] + OFF) - cols[None, :]
                 rel = tl.minimum(tl.maximum(-dist, -REL_M), REL_M) + REL_M
                 g_rel = ds_in if REL_POS == 1 else ds
                 tl.atomic_add(DREL + h * srh + rel, g_rel, mask=in_rows[:, None] & in_cols[None, :])
-            dq = tl.dot(ds_in.to(kt.dtype), tl.trans(kt), dq, input_precision=PREC)
+            dq = _mma(ds_in.to(kt.dtype), tl.trans(kt), dq, PREC, UPCAST)
     dq = dq * sm_scale
     tl.store(
         DQ + b * sdqb + h * sdqh + rows64[:, None] * sdqm + dq_[None, :] * sdqd,
@@ -485,4 +498,7 @@ def _attn_bwd_dq(
     )
 
 
-__all__ = ["LN2", "LOG2E", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_fwd"]
+# True when TRITON_INTERPRET=1 was set at import: the kernels then run on CPU tensors.
+INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)
+
+__all__ = ["INTERPRETED", "LN2", "LOG2E", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_fwd"]
