@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.schedule import tile_kinds
-from ..kernels.tiled import TiledBackend, _backward, _forward, _Tiles
+from ..kernels.tiled import LOG2E, TiledBackend, _backward, _Tiles
 from ..masks import EMPTY, Mask
+from ..numerics import all_finite, weighted_values
 from ..plan import make_plan
 from .layout import Segment, segments
 
@@ -127,20 +128,79 @@ def _plan(q, k, v, block: Block, mask: Mask | None, scale: float):
     return make_plan(q, k, v, mask=mask, causal=block.causal, scale=scale, return_lse=True)
 
 
+class Softmax:
+    """The online-softmax state of this rank's query rows, carried from block to block.
+
+    For every query row: `m`, the largest score seen so far (log2 units, as the tiled kernel
+    keeps them), `l`, the sum of `2^(s − m)` over the keys seen so far, and `acc`, the sum of
+    `2^(s − m) v`. Folding in a block is the tiled kernel's online softmax continued over the
+    block's keys; `lse = m·ln 2 + log l` and `out = acc / l` come out once, at the end. This is
+    the log-sum-exp merge of partial results, held as the pair (m, l) instead of one rounded
+    lse per block: the rescaling factors `2^(m_old − m_new)` are then exact differences of
+    scores, and the merged result is as accurate as the single-process kernel's.
+    """
+
+    def __init__(self, B, Hkv, G, n, Dv, dtype, device):
+        self.m = torch.full((B, Hkv, G, n), -torch.inf, dtype=dtype, device=device)
+        self.l = torch.zeros(B, Hkv, G, n, dtype=dtype, device=device)
+        self.acc = torch.zeros(B, Hkv, G, n, Dv, dtype=dtype, device=device)
+        self.unit = LOG2E  # no score modifier: the kernel works in log2 units
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out `(B, H, n, Dv)`, lse `(B, H, n)`) in the compute dtype; a row that no key
+        reached has out 0 and lse −inf."""
+        B, Hkv, G, n, Dv = self.acc.shape
+        empty = self.l == 0
+        l_safe = torch.where(empty, 1.0, self.l)
+        out = self.acc / l_safe.unsqueeze(-1)
+        lse = torch.where(empty, -torch.inf, self.m / self.unit + torch.log(l_safe))
+        return out.view(B, Hkv * G, n, Dv), lse.view(B, Hkv * G, n)
+
+
 def forward(
     backend: TiledBackend,
+    state: Softmax,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     block: Block,
     mask: Mask | None,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(out, lse, tiles computed) of one block; q, k, v already cut to the block, in the
-    compute dtype."""
-    tiles = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
-    out, lse = _forward(tiles, q, k, v)
-    return out, lse, int((tiles.kinds != EMPTY).sum())
+) -> int:
+    """Fold one block into `state` (rows `block.q.rows`); return the tiles computed. q, k, v
+    are already cut to the block, in the compute dtype. The loop is the tiled kernel's forward
+    (`qkv.kernels.tiled._forward`) with its running (m, l, acc) read from and written back to
+    `state` instead of starting afresh."""
+    T = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
+    plan = T.plan
+    assert T.unit == state.unit
+    B, Hkv, G, D, Dv = plan.batch, plan.kv_heads, plan.groups, plan.head_dim, plan.v_dim
+    lowest = torch.finfo(T.cdt).min
+    qs = (q * (plan.scale * T.unit)).reshape(B, Hkv, G, plan.q_len, D)  # (B, Hkv, G, n, D)
+    v_finite = all_finite(v)
+    base = block.q.local
+    for strip in T.forward_strips():
+        i0, i1 = strip.start, strip.stop  # rows of the block
+        r0, r1, n = base + i0, base + i1, i1 - i0  # the same rows of the rank's shard
+        q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
+        m = state.m[..., r0:r1].reshape(B, Hkv, G * n, 1)
+        l = state.l[..., r0:r1].reshape(B, Hkv, G * n, 1)
+        acc = state.acc[..., r0:r1, :].reshape(B, Hkv, G * n, Dv)
+        for run in strip.runs:
+            j0, j1 = run.start, run.stop
+            s = q_t @ k[:, :, j0:j1].transpose(-1, -2)  # (B, Hkv, G*n, w), log2 units
+            T.scores(s, i0, i1, j0, j1, [(i0, i1, a, b) for a, b in run.partial])
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            m_use = m_new.clamp(min=lowest)  # a row with nothing allowed yet: 2^(−inf) = 0
+            T.exp_(s.sub_(m_use))  # s is now P, unnormalised
+            alpha = T.exp(m - m_use)  # rescales what came before (0 for nothing before)
+            l = l * alpha + s.sum(dim=-1, keepdim=True)
+            acc = acc * alpha + weighted_values(s, v[:, :, j0:j1], v_finite)
+            m = m_new
+        state.m[..., r0:r1] = m.view(B, Hkv, G, n)
+        state.l[..., r0:r1] = l.view(B, Hkv, G, n)
+        state.acc[..., r0:r1, :] = acc.view(B, Hkv, G, n, Dv)
+    return int((T.kinds != EMPTY).sum())
 
 
 def backward(
@@ -160,20 +220,6 @@ def backward(
     tiles = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
     dq, dk, dv, _ = _backward(tiles, q, k, v, out, lse, dout, dlse)
     return dq, dk, dv
-
-
-def merge_(
-    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> None:
-    """Fold one block's (out, lse) into the running (out, lse), in place, exactly:
-    `lse' = log(e^lse + e^lse_b)`, `out' = e^(lse − lse') out + e^(lse_b − lse') out_b`.
-    Rows that no key reached so far keep lse = −inf and out = 0."""
-    new = torch.logaddexp(lse, block_lse)
-    safe = torch.where(torch.isneginf(new), 0.0, new)
-    a = torch.exp(lse - safe).unsqueeze(-1)  # (…, n, 1): e^−inf = 0 for rows not reached yet
-    b = torch.exp(block_lse - safe).unsqueeze(-1)
-    out.mul_(a).add_(block_out * b)
-    lse.copy_(new)
 
 
 def tiles_per_rank(

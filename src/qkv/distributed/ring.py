@@ -11,9 +11,12 @@ the ring of ranks; at step t, rank r holds the keys/values of rank r − t::
 
 The transfer for step t + 1 is posted (`batch_isend_irecv`: send to r + 1, receive from r − 1)
 before the block of step t is computed, so communication overlaps computation. Each block
-yields a partial output and its log-sum-exp; they merge exactly (in fp32, fp64 for fp64)::
+yields a partial result that merges exactly through log-sum-exps (in fp32, fp64 for fp64)::
 
     lse = log(e^lse_a + e^lse_b),   out = e^(lse_a − lse) out_a + e^(lse_b − lse) out_b
+
+held, as in the tiled kernel's online softmax, as a running row max m and sum l (lse = m + log l)
+so that no per-block rounding of lse enters the weights (see `_blocks.Softmax`).
 
 The backward is a second ring. The forward saved only q, k, v, the merged output and lse. Key
 /value blocks travel the ring again; each rank recomputes its blocks with the tiled kernel's
@@ -69,8 +72,8 @@ def _ring_forward(cfg: _Config, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     for c in range(g):
         q_c = _chunk(q, c, g)  # (B, H/g, n, D)
         kv = [_chunk(k, c, g), _chunk(v, c, g)]  # this rank's keys/values travel first
-        acc = torch.zeros(B, H // g, n, Dv, dtype=cdt, device=q.device)  # running output
-        acc_lse = torch.full((B, H // g, n), -torch.inf, dtype=cdt, device=q.device)
+        hkv = kv[0].shape[1]
+        state = _blocks.Softmax(B, hkv, H // g // hkv, n, Dv, cdt, q.device)
         for step in range(P.world):
             src = (P.rank - step) % P.world  # whose keys/values we hold now
             pending = ring.shift(kv, TAG_KV) if step < P.world - 1 else None
@@ -79,8 +82,9 @@ def _ring_forward(cfg: _Config, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             )
             for blk in blocks:
                 mask = _blocks.block_mask(blk, P.mask, P.n_global, c * (H // g), H // g)
-                o, l, tiles = _blocks.forward(
+                tiles = _blocks.forward(
                     cfg.backend,
+                    state,
                     q_c[:, :, blk.q.rows].to(cdt),
                     kv[0][:, :, blk.k.rows].to(cdt),
                     kv[1][:, :, blk.k.rows].to(cdt),
@@ -88,16 +92,16 @@ def _ring_forward(cfg: _Config, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                     mask,
                     P.scale,
                 )
-                _blocks.merge_(acc[:, :, blk.q.rows], acc_lse[:, :, blk.q.rows], o, l)
                 if c == 0:
                     _comm.COUNTERS.tiles += tiles
             if c == 0:
                 _comm.COUNTERS.blocks += len(blocks)
                 _comm.COUNTERS.blocks_skipped += skipped
             if pending is not None:
-                kv = pending.wait()  # the next rank's keys/values, for step + 1
-        _chunk(out, c, g).copy_(acc)
-        _chunk(lse, c, g).copy_(acc_lse)
+                kv = pending.wait()  # the previous rank's keys/values, for step + 1
+        out_c, lse_c = state.result()
+        _chunk(out, c, g).copy_(out_c)
+        _chunk(lse, c, g).copy_(lse_c)
     return out, lse
 
 
