@@ -18,7 +18,7 @@ def qkv3():
 def test_plain_request_goes_to_sdpa(qkv3):
     d = qkv.dispatch(*qkv3)
     assert d.name == "sdpa"
-    assert set(d.reasons) == {"tiled", "reference"}
+    assert set(d.reasons) == {"triton", "tiled", "reference"}
     assert "sdpa is preferred" in d.reasons["tiled"]
 
 
@@ -78,6 +78,7 @@ def test_named_backend_decision(qkv3):
     assert d.name == "tiled"
     assert d.reasons == {
         "sdpa": "backend='tiled' was asked for",
+        "triton": "backend='tiled' was asked for",
         "reference": "backend='tiled' was asked for",
     }
 
