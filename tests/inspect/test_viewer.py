@@ -1,0 +1,41 @@
+"""The HTML viewer: self-contained, and its embedded data decodes to the map's weights."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import torch
+
+from qkv.inspect.attend import AttentionMap
+from qkv.inspect.viewer import viewer_html, write_viewer
+
+
+def _map(n=6):
+    w = torch.randn(2, 3, n, n, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    return AttentionMap.from_weights(w, [f"w{i}" for i in range(n)], text="a </script> test")
+
+
+def _embedded(page: str) -> dict:
+    match = re.search(r"const DATA = (\{.*?\});\n", page)
+    assert match, "the data is embedded in the page"
+    return json.loads(match.group(1))
+
+
+def test_the_page_needs_no_network(tmp_path):
+    page = write_viewer(_map(), tmp_path / "v.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)  # nothing fetched
+    assert "<link" not in page and "@import" not in page and "fetch(" not in page
+    assert page.count("</script>") == 1  # the text's "</script>" cannot end the script early
+
+
+def test_embedded_weights_decode_to_the_map():
+    amap = _map()
+    data = _embedded(viewer_html(amap))
+    assert data["words"] == amap.words and (data["layers"], data["heads"]) == (2, 3)
+    raw = base64.b64decode(data["weights_u16"])
+    q = torch.tensor(list(raw), dtype=torch.int32).view(-1, 2)
+    decoded = (q[:, 0] + 256 * q[:, 1]).double().view(amap.weights.shape) / 65535
+    # 16-bit fixed point: the error is at most half a step
+    assert (decoded - amap.weights).abs().max().item() <= 0.5 / 65535 + 1e-12

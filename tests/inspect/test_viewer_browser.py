@@ -1,0 +1,102 @@
+"""The viewer in a real headless Chromium (Debian's `chromium`, driven by Playwright): no
+network, a 128-token input from the real model, and a click shows the right weights.
+
+Skipped when Playwright or Chromium is missing, unless QKV_REQUIRE_BROWSER=1 (CI sets it, so
+there a missing browser is a failure, not a skip)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from qkv.inspect.attend import EXAMPLE, model_attention
+from qkv.inspect.viewer import write_viewer
+
+
+def _browser():
+    required = os.environ.get("QKV_REQUIRE_BROWSER") == "1"
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if required:
+            raise
+        pytest.skip("playwright is not installed (pip install playwright)")
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        if required:
+            pytest.fail("QKV_REQUIRE_BROWSER=1 but there is no chromium on PATH")
+        pytest.skip("no chromium on PATH (apt-get install -y chromium)")
+    return sync_playwright, chromium
+
+
+def _shown(page) -> list[tuple[str, float]]:
+    rows = page.query_selector_all("#weights tr")
+    return [
+        (r.query_selector("td").inner_text(), float(r.query_selector(".w").inner_text()))
+        for r in rows
+    ]
+
+
+def _expected(amap, layer, head, i) -> list[tuple[str, float]]:
+    row = amap.weights[layer, head, i]
+    order = row.argsort(descending=True, stable=True)[:10]
+    return [(amap.words[j], row[j].item()) for j in order.tolist()]
+
+
+def _agree(shown, expected):
+    """Three decimals are shown: each must be the true weight rounded (the embedded 16-bit
+    value may sit within 8e-6 of a rounding boundary, hence the half-step allowance)."""
+    assert len(shown) == len(expected)
+    shown_weights = sorted((w for _, w in shown), reverse=True)
+    for got, (_, want) in zip(shown_weights, expected, strict=True):
+        assert abs(got - want) <= 0.0005 + 1e-5, (shown, expected)
+    strong = {word for word, w in expected if w > 0.01}
+    assert strong <= {word for word, _ in shown}
+
+
+def test_click_shows_the_words_weights_in_chromium(minilm, tmp_path):
+    sync_playwright, chromium = _browser()
+    words = (EXAMPLE.lower().split() * 13)[:126]  # single-token words: 126 + [CLS] + [SEP]
+    amap = model_attention(" ".join(words), *minilm)
+    assert len(amap.words) == 128
+    path = write_viewer(amap, tmp_path / "viewer.html")
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        requests, errors = [], []
+        page.on("request", lambda r: requests.append(r.url))
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(path.as_uri())
+        page.wait_for_function("window.qkvViewerReady === true", timeout=10_000)
+        assert page.input_value("#topk") == "5"  # long input: top-5 links per word
+
+        page.select_option("#layer", "5")
+        page.select_option("#head", "11")
+        word = 8  # "it" in the first sentence
+        t0 = time.perf_counter()
+        page.click(f'#lines text[data-side=from][data-i="{word}"]')
+        page.wait_for_function("document.querySelectorAll('#weights tr').length > 0")
+        click_s = time.perf_counter() - t0
+        assert page.inner_text("#selected").startswith('"it" (word 8) looks at, layer 5, head 11')
+        _agree(_shown(page), _expected(amap, 5, 11, word))
+        links = page.eval_on_selector_all("#lines line", "ls => ls.length")
+        assert 1 <= links <= 5
+
+        before = _shown(page)
+        page.select_option("#head", "2")  # the pinned word now shows another head
+        after = _shown(page)
+        assert after != before
+        _agree(after, _expected(amap, 5, 2, word))
+        draw_ms = page.evaluate("window.qkvLastDrawMs")
+        browser.close()
+
+    assert errors == []
+    assert all(u.startswith("file:") for u in requests), requests  # nothing from the network
+    print(
+        f"\n[viewer] 128 tokens: click → weights shown in {click_s * 1e3:.0f} ms "
+        f"(page redraw {draw_ms:.1f} ms)"
+    )
