@@ -247,3 +247,23 @@ def test_kernel_lists_hold_only_non_empty_tiles(monkeypatch):
     kept = int(lay.fwd.full_num.sum() + lay.fwd.part_num.sum())
     assert kept == int((lay.kind != masks.EMPTY).sum()) < lay.kind.numel() // 2
     assert lay.bank is not None and lay.bank.shape[0] == int(lay.fwd.part_num.sum())
+
+
+def test_gpu_script_correctness_stage_runs_on_cpu(monkeypatch):
+    # benchmarks/gpu.py's first stage, on tiny CPU problems in the interpreter: its checks pass
+    # and its report lists them (the int64 check needs > 2³¹ elements: GPU only).
+    from .test_triton_gpu_script import load_script
+
+    gpu = load_script()
+    tiny = (
+        ("causal Nq<Nk D=24 GQA", (1, 4, 2, 40, 50, 24), dict(causal=True)),
+        ("window D=16", (1, 2, 2, 70, 70, 16), dict(mask=masks.sliding_window(9))),
+    )
+    monkeypatch.setattr(gpu, "CHECKS", tiny)
+    monkeypatch.setattr(gpu, "int64_offsets", lambda device: {"check": "int64", "pass": None})
+    report = {"environment": gpu.environment(None), "timing": []}
+    gpu.correctness(torch.device("cpu"), report)
+    checks = report["correctness"]
+    assert [c["check"] for c in checks] == [t[0] for t in tiny] + ["int64"]
+    assert all(c["pass"] for c in checks[:2]), checks
+    assert "| causal Nq<Nk D=24 GQA | ok |" in gpu.markdown(report)
