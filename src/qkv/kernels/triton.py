@@ -641,9 +641,11 @@ class TritonBackend:
             )
         if dev not in ("cpu", "cuda"):
             return f"tensors are on {plan.device}; the triton backend runs on CUDA"
-        if dev == "cuda" and plan.dtype == torch.bfloat16:
-            major, _ = torch.cuda.get_device_capability(plan.device)
-            if major < 8:
+        if dev == "cuda":
+            cap = torch.cuda.get_device_capability(plan.device)
+            if cap < (7, 5):
+                return f"the triton backend needs compute capability ≥ 7.5, this GPU has {cap}"
+            if plan.dtype == torch.bfloat16 and cap < (8, 0):
                 return "bfloat16 needs a GPU of compute capability ≥ 8.0 (Ampere) in Triton"
         if plan.return_weights:
             return "triton never materialises the attention weights (use backend='reference')"
