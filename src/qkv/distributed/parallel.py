@@ -33,7 +33,7 @@ class SequenceParallel:
     group: object = None  # the process group; None is the default group
     layout: str = "zigzag"  # how the sequence is cut: "contiguous" or "zigzag"
     method: str = "ring"  # "ring" (ring_attention) or "ulysses" (ulysses_attention)
-    head_chunks: int = 1  # ring only: run the ring over this many slices of the heads
+    head_chunks: int | str = "auto"  # ring only: passes over slices of the heads (ring_attention)
 
     def __post_init__(self):
         check_layout(self.layout)

@@ -25,9 +25,12 @@ dQ, and adds its dK, dV to an accumulator that travels with the block: after P s
 accumulator has visited every rank and one more hop brings it home.
 
 Memory per rank: O(N/P · d) (the shards, the merged output, two key/value blocks in flight and,
-in the backward, the travelling dK/dV accumulator), plus the kernel's tile buffers. With
-`head_chunks = g` the ring runs g times over a g-th of the heads each, which divides the
-in-flight buffers and the tile buffers by g (more, smaller messages; the same bytes).
+in the backward, the travelling dK/dV accumulator), plus the kernel's tile buffers. The buffers
+in flight (two key/value blocks, and in the backward three dK/dV blocks: the one arriving, the
+one leaving, this rank's contributions) would hold ten shards' worth of keys and values, more
+than the rank's own inputs, outputs and gradients together; so by default the ring runs once
+per key/value head (`head_chunks="auto"`), which divides them and the kernel's tile buffers by
+Hkv for more, smaller messages of the same total size.
 """
 
 from __future__ import annotations
@@ -190,7 +193,7 @@ def ring_attention(
     layout: str = "contiguous",
     group: object = None,
     return_lse: bool = False,
-    head_chunks: int = 1,
+    head_chunks: int | str = "auto",
     backend: TiledBackend | None = None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group` (ring attention).
@@ -215,8 +218,11 @@ def ring_attention(
             group, one process is rank 0 of 1.
         return_lse: also return lse `(B, H, N/P)` (float32; float64 for float64 inputs) of the
             global softmax; differentiable.
-        head_chunks: run the ring this many times over H/head_chunks heads each (must divide
-            Hkv): divides the in-flight buffers and tile buffers by that factor.
+        head_chunks: run the ring this many times, over H/head_chunks heads each (must divide
+            Hkv); the in-flight key/value and dK/dV buffers and the kernel's tile buffers shrink
+            by that factor, for more (smaller) messages of the same total size. `"auto"` (the
+            default) is Hkv: one pass per key/value head, so that the transfer buffers stay
+            small next to the shards themselves; 1 is the classic single pass.
         backend: the per-block kernel, a `qkv.kernels.TiledBackend` (default tiles 64×64).
 
     Returns:
@@ -233,8 +239,10 @@ def ring_attention(
         raise TypeError(f"backend must be a qkv.kernels.TiledBackend, got {backend!r}")
 
     def extra(world, heads, kv_heads, n_local):
+        if head_chunks == "auto":
+            return
         if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-            raise TypeError(f"head_chunks must be a positive int, got {head_chunks!r}")
+            raise TypeError(f"head_chunks must be 'auto' or a positive int, got {head_chunks!r}")
         if kv_heads % head_chunks:
             raise ValueError(
                 f"head_chunks={head_chunks} must divide the key/value heads Hkv={kv_heads}"
@@ -252,9 +260,10 @@ def ring_attention(
         group=group,
         return_lse=return_lse,
         extra=extra,
-        extra_fields={"head_chunks": (head_chunks if isinstance(head_chunks, int) else -1,)},
+        extra_fields={"head_chunks": (head_chunks if isinstance(head_chunks, int) else 0,)},
     )
-    cfg = _Config(problem, backend, head_chunks)
+    chunks = problem.kv_heads if head_chunks == "auto" else head_chunks
+    cfg = _Config(problem, backend, chunks)
     out, lse = _RingAttention.apply(to_4d(q), to_4d(k), to_4d(v), cfg)
     rank = problem.input_rank
     return (from_4d(out, rank), from_4d(lse, rank)) if return_lse else from_4d(out, rank)
