@@ -1,0 +1,1 @@
+"""Runnable examples: `python -m qkv.examples.<name> --help`."""
