@@ -48,8 +48,8 @@ def attention(
             `1/(1−p)`). The mask is drawn from torch's RNG, so `torch.manual_seed` repeats it,
             and the backward sees exactly the entries the forward dropped. Applied whenever
             > 0 (modules pass 0 in eval mode).
-        backend: "auto" (the fastest backend whose semantics match exactly), "sdpa", "tiled",
-            "reference", or a backend object such as `qkv.kernels.TiledBackend(64, 128)`.
+        backend: "auto" (the fastest backend whose semantics match exactly), "sdpa",
+            "triton" (CUDA), "tiled", "reference", or a backend object such as `qkv.kernels.TiledBackend(64, 128)`.
             A named backend that cannot run the request raises `NotImplementedError`.
         return_lse: also return lse, the natural log of each row's softmax denominator,
             `(B, H, Nq)` float32 (float64 for float64 inputs); differentiable.
