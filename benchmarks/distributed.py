@@ -8,8 +8,9 @@ forward + backward), each configuration in fresh processes (gloo over loopback):
   the attention call (forward + backward) added on top of the rank's inputs; and the rank's
   inputs (its shards of q, k, v and the upstream gradient). Code pages and communication
   buffers are warmed up by a small call first, so they do not count;
-- time of the forward + backward (the slowest rank; P processes share this machine's cores, so
-  time does not scale with P here: the work is the same, split P ways over the same 2 cores);
+- time of the forward + backward (the slowest rank). One torch thread per rank; P processes
+  share this machine's 2 cores, so time does not scale with P here beyond using the second
+  core: the work is the same, split P ways;
 - bytes sent per rank (payload, counted by qkv.distributed.counters());
 - tiles per rank (64×64 tiles of the tiled kernel in the forward): the work balance.
 
@@ -46,6 +47,11 @@ import qkv.distributed as qd
 SEQ_LEN = 16384
 CAUSAL = True
 JSON_PATH = Path("docs/benchmarks-distributed.json")
+THREADS_NOTE = (
+    "one torch thread per rank: on this shared 2-core machine two threads in one process ran the "
+    "single-process forward + backward (N=8192) 4× slower than one thread (14.4 s vs 3.7 s, "
+    "oversubscribed), so P=1 uses one core and P ≥ 2 both"
+)
 
 # name → (world, method, layout, head_chunks)
 CONFIGS = {
@@ -86,7 +92,7 @@ def _call(method, layout, head_chunks, q, k, v):
 def _rank_main(rank, world, port, spec, out_dir):
     try:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+        torch.set_num_threads(1)  # see THREADS_NOTE
         method, layout, n = spec["method"], spec["layout"], spec["n"]
         head_chunks = spec["head_chunks"]
         if world > 1:
@@ -176,17 +182,16 @@ def render(rows: list[dict], n: int, info: dict, command: str, runtime_s: float)
         f" torch {info['torch']}",
         f"- **Command:** `{command}` (runtime {runtime_s / 60:.1f} min)",
         f"- **Problem:** total N = {n}, batch {H.BATCH}, {H.HEADS} heads × {H.HEAD_DIM}, fp32, "
-        f"causal, forward + backward; P processes on this machine, gloo over loopback, "
-        f"{'/'.join(str(r['ranks'][0]['threads']) for r in rows)} torch threads per rank "
-        "(the machine's cores split P ways).",
+        f"causal, forward + backward; P processes on this machine, gloo over loopback; "
+        f"{THREADS_NOTE}.",
         "- **Peak/rank** = the rank's peak resident set during the call minus its resident set "
         "just before (VmHWM reset via /proc/self/clear_refs, after a small warm-up call), i.e. "
         "what attention added on top of the inputs; **with inputs** adds the rank's shards of "
         "q, k, v and the upstream gradient. **Sent/rank** = payload bytes the busiest rank sent "
         "(`qkv.distributed.counters()`). **Tiles** = 64×64 forward tiles per rank.",
-        "- **Time does not scale here:** the P processes share the same 2 cores, so the same "
-        "total work takes about as long (or longer, with communication) at any P; the other "
-        "agents on this shared machine add noise. Memory and counts are not affected.",
+        "- **Time does not scale here:** the P processes share the same 2 cores, so beyond using "
+        "the second core (P ≥ 2) the same total work takes about as long at any P; other work "
+        "on this shared machine adds noise. Memory and counts are not affected.",
         "",
         "| configuration | P | peak/rank MiB | with inputs MiB | ÷ single (peak) "
         "| ÷ single (with inputs) | time s | sent/rank MiB | tiles per rank |",

@@ -226,20 +226,6 @@ def all_to_all(x: torch.Tensor, group: object) -> torch.Tensor:
     return out
 
 
-class AllToAll(torch.autograd.Function):
-    """Differentiable `all_to_all` with equal splits. It is its own adjoint: the gradient of
-    slice p (which came from rank p) goes back to rank p into the slot it was sent from."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
-        ctx.group = group
-        return all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return all_to_all(grad, ctx.group), None
-
-
 def all_gather(x: torch.Tensor, group: object, world: int) -> list[torch.Tensor]:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]

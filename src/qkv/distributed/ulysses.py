@@ -31,28 +31,65 @@ from ..plan import from_4d, to_4d
 from . import _comm
 from ._blocks import at_offset
 from ._problem import validate
-from .layout import positions_of
+from .layout import segments
 
 
-def _seq_to_heads(x: torch.Tensor, world: int, group: object) -> torch.Tensor:
-    """`(B, Hx, n, …)` sequence shard → `(B, Hx/P, P·n, …)`: all tokens (rank-major) of this
-    rank's heads."""
+def _runs(world: int, n: int, layout: str) -> list[tuple[int, slice, slice]]:
+    """(source rank p, rows in p's shard, positions in the sequence) of every run of tokens."""
+    return [
+        (p, seg.rows, slice(seg.start, seg.stop))
+        for p in range(world)
+        for seg in segments(p, world, n, layout)
+    ]
+
+
+def _seq_to_heads(x: torch.Tensor, world: int, layout: str, group: object) -> torch.Tensor:
+    """`(B, Hx, n, …)` this rank's tokens of every head → `(B, Hx/P, N, …)` every token (in
+    sequence order) of this rank's heads."""
     B, Hx, n = x.shape[:3]
     rest = x.shape[3:]
-    x = x.reshape(B, world, Hx // world, n, *rest).transpose(0, 1)  # (P, B, Hx/P, n, …)
-    y = _comm.AllToAll.apply(x, group)  # y[p]: rank p's tokens of our heads
-    y = y.transpose(0, 1).transpose(1, 2)  # (B, Hx/P, P, n, …)
-    return y.reshape(B, Hx // world, world * n, *rest)
+    send = x.reshape(B, world, Hx // world, n, *rest).transpose(0, 1)  # (P, B, Hx/P, n, …)
+    got = _comm.all_to_all(send, group)  # got[p]: rank p's tokens of our heads
+    out = x.new_empty(B, Hx // world, world * n, *rest)
+    for p, rows, span in _runs(world, n, layout):
+        out[:, :, span] = got[p, :, :, rows]
+    return out
 
 
-def _heads_to_seq(y: torch.Tensor, world: int, group: object) -> torch.Tensor:
-    """`(B, Hx/P, P·n, …)` (rank-major tokens of our heads) → `(B, Hx, n, …)` our tokens."""
+def _heads_to_seq(y: torch.Tensor, world: int, layout: str, group: object) -> torch.Tensor:
+    """The inverse: `(B, Hx/P, N, …)` → `(B, Hx, n, …)`."""
     B, h, N = y.shape[:3]
     rest = y.shape[3:]
     n = N // world
-    y = y.reshape(B, h, world, n, *rest).transpose(1, 2).transpose(0, 1)  # (P, B, h, n, …)
-    z = _comm.AllToAll.apply(y, group)  # z[p]: head group p's results for our tokens
-    return z.transpose(0, 1).reshape(B, h * world, n, *rest)
+    send = y.new_empty(world, B, h, n, *rest)
+    for p, rows, span in _runs(world, n, layout):
+        send[p, :, :, rows] = y[:, :, span]
+    got = _comm.all_to_all(send, group)  # got[p]: head group p's results for our tokens
+    return got.transpose(0, 1).reshape(B, h * world, n, *rest)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """A permutation of the tokens × heads across ranks: its adjoint is its inverse."""
+
+    @staticmethod
+    def forward(ctx, x, world, layout, group):  # type: ignore[override]
+        ctx.args = (world, layout, group)
+        return _seq_to_heads(x, world, layout, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _heads_to_seq(grad.contiguous(), *ctx.args), None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, world, layout, group):  # type: ignore[override]
+        ctx.args = (world, layout, group)
+        return _heads_to_seq(y, world, layout, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _seq_to_heads(grad.contiguous(), *ctx.args), None, None, None
 
 
 def ulysses_attention(
@@ -111,21 +148,13 @@ def ulysses_attention(
     repeat = P // math.gcd(Hkv, P)  # divides H/Hkv because P divides H
     if repeat > 1:  # query head h still reads kv head h // (H/Hkv) of the original
         k4, v4 = k4.repeat_interleave(repeat, 1), v4.repeat_interleave(repeat, 1)
-    order = inverse = None
-    if problem.layout != "contiguous":  # rank-major token order → global order and back
-        inverse = torch.cat(
-            [positions_of(r, P, problem.n_local, problem.layout) for r in range(P)]
-        ).to(q4.device)
-        order = torch.argsort(inverse)
+    layout, group = problem.layout, problem.group
 
     def gather(x):
-        x = _seq_to_heads(x, P, problem.group)
-        return x if order is None else x.index_select(2, order)
+        return _SeqToHeads.apply(x, P, layout, group)
 
     def scatter(y):
-        if order is not None:
-            y = y.index_select(2, inverse)
-        return _heads_to_seq(y, P, problem.group)
+        return _HeadsToSeq.apply(y, P, layout, group)
 
     m = None
     if mask is not None:
