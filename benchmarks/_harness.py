@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from qkv.inspect.bench import peak_rss_mib, reset_peak_rss  # noqa: F401 (re-exported)
+
 DTYPE = torch.float32
 SEED = 0
 BATCH, HEADS, HEAD_DIM = 1, 8, 64  # the attention shape core.py and sparse.py measure
@@ -144,29 +146,8 @@ def matmul_gflops(size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS) -> flo
 # --------------------------------------------------------------------------- memory
 
 
-def _status_mib(field: str) -> float:
-    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024  # reported in kB
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak_rss() -> float:
-    """Reset this process's peak-RSS mark to its current RSS and return that RSS in MiB.
-
-    `getrusage(RUSAGE_SELF).ru_maxrss` cannot be used in a child process: on Linux, exec
-    carries the parent's high-water mark into the child (`signal->maxrss`), so a child of a
-    parent that once held 5 GiB starts with ru_maxrss = 5 GiB. Writing 5 to
-    /proc/self/clear_refs resets VmHWM instead (Linux ≥ 4.0).
-    """
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_mib("VmRSS")
-
-
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process since the last `reset_peak_rss`, in MiB."""
-    return _status_mib("VmHWM")
+# reset_peak_rss / peak_rss_mib: VmHWM reset through /proc/self/clear_refs; they live in
+# qkv.inspect.bench (`qkv bench` measures memory the same way) and are imported above.
 
 
 @dataclasses.dataclass
