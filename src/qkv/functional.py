@@ -49,8 +49,9 @@ def attention(
             and the backward sees exactly the entries the forward dropped. Applied whenever
             > 0 (modules pass 0 in eval mode).
         backend: "auto" (the fastest backend whose semantics match exactly), "sdpa",
-            "triton" (CUDA), "tiled", "reference", or a backend object such as `qkv.kernels.TiledBackend(64, 128)`.
-            A named backend that cannot run the request raises `NotImplementedError`.
+            "triton" (CUDA), "tiled", "reference", or a backend object such as
+            `qkv.kernels.TiledBackend(64, 128)`. A named backend that cannot run the request
+            raises `NotImplementedError`.
         return_lse: also return lse, the natural log of each row's softmax denominator,
             `(B, H, Nq)` float32 (float64 for float64 inputs); differentiable.
         return_weights: also return A `(B, H, Nq, Nk)` (before dropout); reference only.
