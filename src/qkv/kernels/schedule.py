@@ -106,16 +106,18 @@ def strips(
     n_cols: int,
     max_rows: int,
     max_cols: int,
+    waste: float = WASTE,
 ) -> list[Strip]:
     """Group tiles row by row (use `kind.T` and swapped sizes for the backward's columns).
 
     Consecutive rows of tiles are merged into one strip (one taller product) while the strip
-    stays within `max_rows` rows and the union of their kept tiles is at most `WASTE` times the
-    tiles they keep on their own: identical rows always merge (dense attention, the inside of a
-    document); the staircase of causal attention merges once rows are long; a sliding window,
-    whose rows are shifted copies, does not. In the merged strip a tile is full only if full in
-    every row, empty only if empty in every row, and partial (masked) otherwise. Each run of
-    kept tiles is cut into pieces of at most `max_cols` columns."""
+    stays within `max_rows` rows and the union of their kept tiles is at most `waste` (default
+    `WASTE`) times the tiles they keep on their own: identical rows always merge (dense
+    attention, the inside of a document); the staircase of causal attention merges once rows
+    are long; a sliding window, whose rows are shifted copies, does not (at the default). In
+    the merged strip a tile is full only if full in every row, empty only if empty in every
+    row, and partial (masked) otherwise. Each run of kept tiles is cut into pieces of at most
+    `max_cols` columns."""
     kept = kind != EMPTY
     full = kind == FULL
     per_row_kept = kept.sum(1).tolist()
@@ -127,7 +129,7 @@ def strips(
             new_any, new_all = g_any | kept[r], g_all & full[r]
             size = r1 - r0 + 1
             union = int(new_any.sum()) * size
-            if size <= rows_per_strip and union <= WASTE * sum(per_row_kept[r0 : r1 + 1]):
+            if size <= rows_per_strip and union <= waste * sum(per_row_kept[r0 : r1 + 1]):
                 groups[-1] = (r0, r1 + 1, new_any, new_all)
                 continue
         groups.append((r, r + 1, kept[r], full[r]))

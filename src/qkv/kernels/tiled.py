@@ -35,7 +35,9 @@ import torch
 from ..dropout import keep_mask, keep_scale
 from ..numerics import all_finite, causal_allowed, weighted_values
 from ..plan import AttentionPlan
+from . import fused as fused_mod
 from .base import Result
+from .fused import FusedStrips
 from .schedule import Strip, strips, tile_kinds
 
 LOG2E = 1.0 / math.log(2.0)
@@ -305,7 +307,13 @@ class TiledBackend:
 
     `block_q × block_k` is the tile of the layout (the unit that can be skipped); a matrix
     product spans at most `max_rows` query rows (or, in the backward, keys) and `max_cols` keys
-    (or queries) when consecutive kept tiles are merged."""
+    (or queries) when consecutive kept tiles are merged.
+
+    `fused` (opt-in, off by default until it is faster end to end): for a structured
+    `qkv.masks.Mask` on the CPU, run the kept tiles through torch's fused C++ flash kernel,
+    batched over strips of queries (`fused.py`). `True` uses `FusedStrips()`, a `FusedStrips`
+    sets its knobs, `False` runs the PyTorch loop below; plans the fused op cannot compute
+    exactly (dropout, score modifiers, tensor masks, …) run the loop either way."""
 
     name = "tiled"
 
@@ -315,6 +323,7 @@ class TiledBackend:
         block_k: int = BLOCK_K,
         max_rows: int = MAX_ROWS,
         max_cols: int = MAX_COLS,
+        fused: bool | FusedStrips = False,
     ):
         for arg, value in (
             ("block_q", block_q),
@@ -326,12 +335,24 @@ class TiledBackend:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         self.block_q, self.block_k = block_q, block_k
         self.max_rows, self.max_cols = max_rows, max_cols
+        if not isinstance(fused, (bool, FusedStrips)):
+            raise TypeError(f"fused must be a bool or a FusedStrips, got {fused!r}")
+        self.fused = FusedStrips() if fused is True else (fused or None)
 
     def __repr__(self) -> str:
+        extra = "" if self.fused is None else f", fused={self.fused!r}"
         return (
             f"TiledBackend({self.block_q}, {self.block_k}, max_rows={self.max_rows}, "
-            f"max_cols={self.max_cols})"
+            f"max_cols={self.max_cols}{extra})"
         )
+
+    def fused_reason(
+        self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> str | None:
+        """None when `forward` takes the fused-strips path, else why it runs the loop."""
+        if self.fused is None:
+            return "fused=False"
+        return fused_mod.reason(plan, q, k, v)
 
     def why_not(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -345,6 +366,15 @@ class TiledBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
+        if self.fused is not None and fused_mod.reason(plan, q, k, v) is None:
+
+            def lse_backward(q, k, v, out, lse, dout, dlse):  # exact, when lse is differentiated
+                return _backward(_Tiles(plan, q, self), q, k, v, out, lse, dout, dlse)[:3]
+
+            out, lse = fused_mod.attention(
+                plan, q, k, v, self.block_q, self.block_k, self.fused, lse_backward
+            )
+            return out, lse, None
         params = plan.score_mod.params if plan.score_mod is not None else ()
         out, lse = _TiledAttention.apply(q, k, v, _Tiles(plan, q, self), *params)
         return out, lse, None
