@@ -16,19 +16,27 @@ runs every key of its `k`. So this module hands it only the keys each group of q
 
 1. **Layout.** `schedule.tile_kinds` classifies the `block_q × block_k` tiles of the backend
    (from the Mask's tile bounds and the causal flag; never an N×N matrix).
-2. **Strips.** Rows of tiles are merged into strips of at most `rows` query rows (128 by
-   default; measured best for a 256 window on 2 cores: 64 pays more calls, 256 more waste) while
-   the union of their kept key tiles stays within `waste` times what they keep alone
-   (`schedule.strips`). A strip's *window* is the concatenation of its kept key ranges: one
-   contiguous range for a band, several for Longformer's global columns + band or BigBird.
-3. **Groups.** Strips with the same row count whose window widths round up to the same bucket
-   (widths rounded up by at most 1/8) form a group. A group is cut into batches whose gathered
-   tensors stay within `budget` bytes; each batch is ONE call of the fused op, batched over its
-   strips: q rows and the window's k/v rows are gathered with `index_select` (the copy also
-   folds batch into heads: `(strips, B·H, rows, D)` against `(strips, B·Hkv, width, D)`), and
-   the additive mask `(strips, 1|H, rows, width)` is built by evaluating the rule on the window
-   only (O(N · width), never N²). Padded columns of a narrower window are masked out. A batch
-   whose tiles are all FULL and unpadded passes no mask at all.
+2. **Strips.** Rows of tiles are merged into strips of at most `rows` query rows (64 by
+   default; measured on 2 cores for a 256 window: 64 rows with a 576-key window ran the op in
+   ~160 ms at N=16384, 128 rows ~180 ms) while the union of their kept key tiles stays within
+   `waste` times what they keep alone (`schedule.strips`). A strip's *window* is the
+   concatenation of its kept key ranges: one contiguous range for a band, several for
+   Longformer's global columns + band or BigBird.
+3. **Groups.** Strips with one contiguous window group by (rows, exact width) and are split into
+   runs whose first rows and window starts advance by constant steps (the inside of a band):
+   such a run reaches the op as `as_strided` views of q and k/v, no copy. Other strips group by
+   rows and a width bucket (rounded up by at most 1/8) and are gathered with `index_select`
+   (the copy also folds batch into heads: `(strips, B·H, rows, D)` against
+   `(strips, B·Hkv, width, D)`); padded columns are masked out. Groups are cut into batches
+   within `budget` bytes; each batch is ONE call of the fused op. Masks are built per tile:
+   FULL tiles are 0 with no arithmetic, the rule is evaluated only on PARTIAL tiles (all of a
+   batch at once, as `(P, 1|H, rows, block_k)` blocks), and when every strip of a batch has the
+   same mask (a band) one `(1, 1|H, rows, width)` mask is broadcast (stride 0) over the strips;
+   a batch whose tiles are all FULL and unpadded passes no mask. The op wants an additive mask
+   of the query's dtype (it rejects a bool one).
+   The schedule and its masks are cached per (Mask object, shapes, dtype, tiles, settings) in a
+   small LRU (`_CACHE`, 8 entries, masks within `mask_cache` bytes each), like FlexAttention's
+   BlockMask: a training loop that reuses its Mask builds them once.
 4. **Wide strips** (window wider than `wide` keys: the rows of a global token, a dense prefix)
    run alone; a contiguous window is passed as a view of k/v (no copy). The backward cuts every
    window into pieces of at most `wide` keys: with the forward's lse, each piece's dK/dV and
@@ -61,6 +69,8 @@ causal attention go to SDPA already).
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,14 +106,15 @@ def fused_backward_op(dout, q, k, v, out, lse, mask, scale):
 class FusedStrips:
     """Settings of the fused-strips path (`TiledBackend(fused=FusedStrips(...))`)."""
 
-    rows: int = 128  # most query rows per strip
+    rows: int = 64  # most query rows per strip
     waste: float = 1.25  # merge rows of tiles while the union of kept tiles grows ≤ 25%
     wide: int = 4096  # a window wider than this runs alone (forward) / in pieces (backward)
     budget: int = 64 * 2**20  # bytes of gathered tensors (and mask) per batched call
+    mask_cache: int = 64 * 2**20  # bytes of masks a cached schedule keeps (beyond: rebuilt)
     exact_backward: bool = True  # fp32 inputs: run the backward op in fp64 (see the docstring)
 
     def __post_init__(self):
-        for name in ("rows", "wide", "budget"):
+        for name in ("rows", "wide", "budget", "mask_cache"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -139,17 +150,37 @@ def reason(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # ---------------------------------------------------------------------------------- schedule
 
 
+@dataclass(frozen=True)
+class _Strided:
+    """Evenly spaced equal ranges `start + i·step + [0, length)` for i < count: a view."""
+
+    start: int
+    step: int
+    count: int
+    length: int
+
+    def index(self) -> torch.Tensor:
+        """The same rows as a flat `(count·length,)` index (for scatters of overlapping ranges)."""
+        base = torch.arange(self.count).view(-1, 1) * self.step + self.start
+        return (base + torch.arange(self.length)).reshape(-1)
+
+
+Sel = torch.Tensor | slice | _Strided
+
+
 @dataclass
 class _Batch:
-    """Strips run as one call: same row count, windows padded to one width."""
+    """Strips run as one call: same row count, windows of one width."""
 
-    rows: torch.Tensor | slice  # query rows: (n·R,) indices, or one slice when n == 1
+    rows: Sel  # query rows: (n·R,) indices, a slice (n == 1) or evenly spaced strips (a view)
     r0: torch.Tensor  # (n,) first row of each strip
     n_rows: int  # R
-    cols: torch.Tensor | slice  # keys: (n·W,) indices, or one slice (a contiguous window)
-    col_pos: torch.Tensor  # (n, W) key positions (clamped), for the mask
+    cols: Sel  # keys: (n·W,) indices, a slice or evenly spaced windows (a view)
+    col_pos: torch.Tensor  # (n, W) key positions (clamped)
     col_ok: torch.Tensor | None  # (n, W) bool: a real column of the window (None: all real)
     width: int  # W
+    # Partial tiles: (strip, window offset, first key, keys) of every tile the rule decides.
+    partial: torch.Tensor  # (P, 4) int64
     full: bool  # every kept tile FULL and no padding: no mask needed
 
 
@@ -159,39 +190,65 @@ def _bucket(w: int, step: int) -> int:
     return -(-w // g) * g
 
 
+def _progressions(items: list) -> list[list]:
+    """Split items sorted by first row into runs whose first rows and window starts advance by
+    constant steps (each run becomes one strided view of q and of k/v)."""
+    runs: list[list] = []
+    for it in items:
+        cur = runs[-1] if runs else None
+        if cur is not None and (
+            len(cur) == 1
+            or (
+                it[0] - cur[-1][0] == cur[1][0] - cur[0][0]
+                and it[2][0][0] - cur[-1][2][0][0] == cur[1][2][0][0] - cur[0][2][0][0]
+            )
+        ):
+            cur.append(it)
+        else:
+            runs.append([it])
+    return runs
+
+
 class _Schedule:
-    """Strips of a plan, grouped into batched calls (built once; reused by the backward)."""
+    """Strips of a plan grouped into batched calls, and their masks: built once per
+    (Mask, shapes, settings) and kept in a small cache (`_CACHE`), like FlexAttention's
+    BlockMask, so that a training loop pays for them once."""
 
     def __init__(self, plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips):
         self.plan, self.cfg = plan, cfg
+        self.block_k = block_k
         nq, nk = plan.q_len, plan.kv_len
         kinds = tile_kinds(plan, block_q, block_k)
         self.kept_fraction = float((kinds != EMPTY).float().mean()) if kinds.numel() else 0.0
         groups: dict[tuple, list] = {}
         singles = []
         for s in strips(kinds, block_q, block_k, nq, nk, max(cfg.rows, block_q), nk, cfg.waste):
-            ranges = [(r.start, r.stop) for r in s.runs]
             merged: list[tuple[int, int]] = []
-            for a, b in ranges:  # runs are cut at max_cols = Nk: only gaps separate them
-                if merged and merged[-1][1] == a:
-                    merged[-1] = (merged[-1][0], b)
+            for r in s.runs:  # runs are cut at max_cols = Nk: only gaps separate them
+                if merged and merged[-1][1] == r.start:
+                    merged[-1] = (merged[-1][0], r.stop)
                 else:
-                    merged.append((a, b))
+                    merged.append((r.start, r.stop))
             width = sum(b - a for a, b in merged)
-            full = all(not r.partial for r in s.runs)
-            item = (s.start, s.stop, merged, width, full)
+            partial = [p for r in s.runs for p in r.partial]
+            item = (s.start, s.stop, merged, width, partial)
             if width > cfg.wide:
                 singles.append(item)
+            elif len(merged) == 1:  # one contiguous window: exact width, strided views
+                groups.setdefault((s.stop - s.start, width, True), []).append(item)
             else:
-                key = (s.stop - s.start, _bucket(width, 16))
-                groups.setdefault(key, []).append(item)
+                groups.setdefault((s.stop - s.start, _bucket(width, 16), False), []).append(item)
         self.batches: list[_Batch] = []
-        for (n_rows, width), items in groups.items():
+        for (n_rows, width, contiguous), items in groups.items():
             per = max(1, cfg.budget // self._strip_bytes(n_rows, width))
-            for i in range(0, len(items), per):
-                self.batches.append(self._batch(items[i : i + per], n_rows, width))
+            runs = _progressions(items) if contiguous else [items]
+            for run in runs:
+                for i in range(0, len(run), per):
+                    self.batches.append(self._batch(run[i : i + per], n_rows, width, contiguous))
         for item in singles:
-            self.batches.append(self._batch([item], item[1] - item[0], item[3]))
+            self.batches.append(self._batch([item], item[1] - item[0], item[3], False))
+        self._masks: dict[tuple, tuple] = {}  # (batch, b, dtype) -> (mask, empty rows)
+        self.mask_bytes = 0
 
     def _strip_bytes(self, n_rows: int, width: int) -> int:
         p = self.plan
@@ -202,15 +259,20 @@ class _Schedule:
         tensors = 4 * n_rows * bh * p.head_dim + 4 * width * bhkv * p.head_dim
         return elt * tensors + (elt + 1) * n_rows * width * mask_heads
 
-    def _batch(self, items, n_rows: int, width: int) -> _Batch:
+    def _batch(self, items, n_rows: int, width: int, contiguous: bool) -> _Batch:
+        n = len(items)
         r0 = torch.tensor([it[0] for it in items], dtype=torch.long)
-        if len(items) == 1:
-            rows: torch.Tensor | slice = slice(items[0][0], items[0][1])
+        rows: Sel
+        cols: Sel
+        if n == 1:
+            rows = slice(items[0][0], items[0][1])
+        elif contiguous:
+            rows = _Strided(items[0][0], items[1][0] - items[0][0], n, n_rows)
         else:
             rows = (r0.view(-1, 1) + torch.arange(n_rows)).reshape(-1)
-        pos, ok = [], []
+        pos, ok, tiles = [], [], []
         padded = False
-        for _, _, ranges, w, _ in items:
+        for i, (_, _, ranges, w, partial) in enumerate(items):
             idx = torch.cat([torch.arange(a, b) for a, b in ranges])
             good = torch.ones(width, dtype=torch.bool)
             if w < width:
@@ -219,11 +281,21 @@ class _Schedule:
                 good[w:] = False
             pos.append(idx)
             ok.append(good)
+            offset = 0
+            for a, b in ranges:  # window offset of each partial tile
+                for c0, c1 in partial:
+                    for t0 in range(max(a, c0), min(b, c1), self.block_k):
+                        t1 = min(t0 + self.block_k, b, c1)
+                        tiles.append((i, offset + t0 - a, t0, t1 - t0))
+                offset += b - a
         col_pos = torch.stack(pos)
-        contiguous = len(items) == 1 and len(items[0][2]) == 1 and not padded
-        cols: torch.Tensor | slice = (
-            slice(items[0][2][0][0], items[0][2][0][1]) if contiguous else col_pos.reshape(-1)
-        )
+        if contiguous and n > 1:
+            c0 = items[0][2][0][0]
+            cols = _Strided(c0, items[1][2][0][0] - c0, n, width)
+        elif contiguous or (n == 1 and len(items[0][2]) == 1 and not padded):
+            cols = slice(items[0][2][0][0], items[0][2][0][0] + width)
+        else:
+            cols = col_pos.reshape(-1)
         return _Batch(
             rows=rows,
             r0=r0,
@@ -232,16 +304,84 @@ class _Schedule:
             col_pos=col_pos,
             col_ok=torch.stack(ok) if padded else None,
             width=width,
-            full=all(it[4] for it in items) and not padded,
+            partial=torch.tensor(tiles, dtype=torch.long).view(-1, 4),
+            full=not tiles and not padded,
         )
+
+    def mask(self, i: int, b: int | None, dtype: torch.dtype):
+        """Additive mask `(n|1, 1|H, R, W)` of batch i (None: all FULL) and its bool empty rows
+        `(n|1, 1|H, R)` (None: none). Cached while within the settings' `mask_cache` bytes."""
+        batch = self.batches[i]
+        if batch.full:
+            return None, None
+        key = (i, b, dtype)
+        hit = self._masks.get(key)
+        if hit is not None:
+            return hit
+        allowed = _allowed(self.plan, batch, b, self.block_k)
+        empty = ~allowed.any(-1)
+        mask = _additive(allowed, dtype)
+        result = (mask, empty if bool(empty.any()) else None)
+        size = mask.numel() * mask.element_size() + empty.numel()
+        if self.mask_bytes + size <= self.cfg.mask_cache:
+            self._masks[key] = result
+            self.mask_bytes += size
+        return result
+
+
+_CACHE: OrderedDict[tuple, tuple[weakref.ref, _Schedule]] = OrderedDict()
+_CACHE_SIZE = 8  # schedules kept (least recently used dropped first)
+
+
+def schedule(plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips) -> _Schedule:
+    """The cached schedule of (plan's Mask object, shapes, dtype, tiles, settings)."""
+    rule = plan.mask_rule
+    key = (
+        id(rule),
+        plan.batch,
+        plan.heads,
+        plan.kv_heads,
+        plan.q_len,
+        plan.kv_len,
+        plan.head_dim,
+        plan.causal,
+        plan.dtype,
+        str(plan.device),
+        block_q,
+        block_k,
+        cfg,
+    )
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is rule:  # the same Mask, not a new one at a reused id
+        _CACHE.move_to_end(key)
+        return hit[1]
+    sched = _Schedule(plan, block_q, block_k, cfg)
+    _CACHE[key] = (weakref.ref(rule), sched)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return sched
 
 
 # ------------------------------------------------------------------------------ the pieces
 
 
-def _take(t: torch.Tensor, sel: torch.Tensor | slice) -> torch.Tensor:
-    """Rows `sel` of a `(N, X, D)` tensor: a view for a slice, a gathered copy otherwise."""
-    return t[sel] if isinstance(sel, slice) else t.index_select(0, sel)
+def _view(t: torch.Tensor, s: _Strided) -> torch.Tensor:
+    """`(count, length, X, D)` view of the ranges `s` of a `(N, X, D)` tensor (no copy)."""
+    n_, x_, d_ = t.stride()
+    return t.as_strided(
+        (s.count, s.length, t.shape[1], t.shape[2]),
+        (s.step * n_, n_, x_, d_),
+        t.storage_offset() + s.start * n_,
+    )
+
+
+def _take(t: torch.Tensor, sel: Sel, n: int) -> torch.Tensor:
+    """Rows `sel` of a `(N, X, D)` tensor in the op's `(n, X, R, D)` layout: a view for a slice
+    or evenly spaced ranges, a gathered copy otherwise."""
+    if isinstance(sel, _Strided):
+        return _view(t, sel).transpose(1, 2)
+    rows = t[sel] if isinstance(sel, slice) else t.index_select(0, sel)
+    return _to_op(rows, n)
 
 
 def _to_op(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -255,27 +395,41 @@ def _from_op(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(n * r, x, d)
 
 
-def _allowed(
-    plan: AttentionPlan, batch: _Batch, b: int | None, c0: int = 0, c1: int | None = None
-) -> torch.Tensor:
-    """bool `(n, 1|H, R, w)`: the rule (and causal flag) on the batch's window columns c0:c1."""
+def _allowed(plan: AttentionPlan, batch: _Batch, b: int | None, block_k: int) -> torch.Tensor:
+    """bool `(n, 1|H, R, W)`: which window columns each strip row may attend. FULL tiles are
+    True without arithmetic; the rule (and causal flag) is evaluated on the PARTIAL tiles only,
+    all at once as `(P, 1|H, R, block_k)` blocks; padded columns are False. When every strip's
+    mask is the same (the inside of a band), one `(1, 1|H, R, W)` mask serves all (broadcast)."""
     rule = plan.mask_rule
     assert rule is not None
-    col_pos = batch.col_pos[:, c0:c1]
-    n, w = col_pos.shape
-    rows = (batch.r0.view(-1, 1) + torch.arange(batch.n_rows)).view(n, 1, batch.n_rows, 1)
-    cols = col_pos.view(n, 1, 1, w)
-    bi = torch.zeros(1, 1, 1, 1, dtype=torch.long) + (b or 0)
-    hi = torch.arange(plan.heads).view(1, -1, 1, 1) if rule.heads else torch.zeros(1, 1, 1, 1)
-    allowed = rule.evaluate(bi, hi.long(), rows, cols, plan.q_len, plan.kv_len)
-    if plan.causal:
-        allowed = allowed & causal_allowed(rows, cols, plan.causal_offset)
+    n, R, W = batch.r0.numel(), batch.n_rows, batch.width
+    hm = plan.heads if rule.heads else 1
+    allowed = torch.ones(n, hm, R, W, dtype=torch.bool)
+    if batch.partial.numel():
+        strip, off, c0, length = batch.partial.unbind(1)  # (P,) each
+        j = torch.arange(block_k)
+        rows = (batch.r0[strip].view(-1, 1) + torch.arange(R)).view(-1, 1, R, 1)
+        cols = (c0.view(-1, 1) + j).clamp(max=plan.kv_len - 1).view(-1, 1, 1, block_k)
+        bi = torch.zeros(1, 1, 1, 1, dtype=torch.long) + (b or 0)
+        hi = torch.arange(hm).view(1, -1, 1, 1)
+        vals = rule.evaluate(bi, hi, rows, cols, plan.q_len, plan.kv_len)
+        if plan.causal:
+            vals = vals & causal_allowed(rows, cols, plan.causal_offset)
+        vals = vals.expand(-1, hm, R, block_k)
+        inside = j.view(1, -1) < length.view(-1, 1)  # (P, bk): a tile cut short at its end
+        p_idx, j_idx = inside.nonzero(as_tuple=True)
+        allowed[strip[p_idx], :, :, off[p_idx] + j_idx] = vals[p_idx, :, :, j_idx]
     if batch.col_ok is not None:
-        allowed = allowed & batch.col_ok[:, c0:c1].view(n, 1, 1, w)
-    return allowed.expand(n, allowed.shape[1], batch.n_rows, w)
+        allowed &= batch.col_ok.view(n, 1, 1, W)
+    if n > 1 and bool((allowed == allowed[:1]).all()):
+        return allowed[:1].expand(n, hm, R, W)  # one pattern for every strip (a band)
+    return allowed
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where allowed, −inf elsewhere; a broadcast (stride-0) first dim stays broadcast."""
+    if allowed.shape[0] > 1 and allowed.stride(0) == 0:
+        return _additive(allowed[:1], dtype).expand(allowed.shape)
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, -torch.inf)
 
 
@@ -293,54 +447,52 @@ def _forward(plan: AttentionPlan, sched: _Schedule, q, k, v):
     for b in _batch_elements(plan):
         qt, kt, vt = (_rows(t, b) for t in (q, k, v))
         out_t, lse_t = _rows(out, b), _rows(lse.unsqueeze(-1), b)
-        for batch in sched.batches:
+        for i, batch in enumerate(sched.batches):
             n = batch.r0.numel()
-            mask = None
-            empty = None
-            if not batch.full:
-                allowed = _allowed(plan, batch, b)
-                mask = _additive(allowed, plan.dtype)
-                empty = ~allowed.any(-1)  # (n, 1|H, R)
+            mask, empty = sched.mask(i, b, plan.dtype)
             o, lse_b = fused_forward_op(
-                _to_op(_take(qt, batch.rows), n),
-                _to_op(_take(kt, batch.cols), n),
-                _to_op(_take(vt, batch.cols), n),
+                _take(qt, batch.rows, n),
+                _take(kt, batch.cols, n),
+                _take(vt, batch.cols, n),
                 mask,
                 plan.scale,
             )
             if empty is not None:
                 lse_b = lse_b.masked_fill(empty, -torch.inf)
-            _put(out_t, batch.rows, _from_op(o))
-            _put(lse_t, batch.rows, _from_op(lse_b.unsqueeze(-1)))
+            _put(out_t, batch.rows, o)
+            _put(lse_t, batch.rows, lse_b.unsqueeze(-1))
     return out, lse
 
 
 def _backward(plan: AttentionPlan, sched: _Schedule, q, k, v, out, lse, dout):
+    """The fused op's backward, batch by batch (masks from the schedule's cache)."""
     cfg = sched.cfg
     wide = cfg.exact_backward and plan.dtype == torch.float32
     bdt = torch.float64 if wide else plan.dtype  # the backward op's dtype
     ldt = torch.float64 if bdt == torch.float64 else torch.float32  # and of its lse
 
     def take(t, sel, n):
-        return _to_op(_take(t, sel).to(bdt), n)
+        return _take(t, sel, n).to(bdt)
 
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # Contiguous (not zeros_like, which keeps a transposed input's strides): `_rows` must
+    # return views of these, or the scatters below would land in a temporary copy.
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v))
     for b in _batch_elements(plan):
         qt, kt, vt, ot, dot = (_rows(t, b) for t in (q, k, v, out, dout))
         lt = _rows(torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1), b)  # op's lse: 0
         dqt, dkt, dvt = (_rows(t, b) for t in (dq, dk, dv))
-        for batch in sched.batches:
+        for i, batch in enumerate(sched.batches):
             n = batch.r0.numel()
             q_b, o_b, do_b = (take(t, batch.rows, n) for t in (qt, ot, dot))
-            l_b = _take(lt, batch.rows).to(ldt).view(n, -1, lt.shape[1]).transpose(1, 2)
+            l_b = _take(lt, batch.rows, n).to(ldt).squeeze(-1)  # (n, X, R)
+            mask_all, _ = sched.mask(i, b, bdt)
+            cols_all = batch.cols.index() if isinstance(batch.cols, _Strided) else batch.cols
             dq_b = None
             step = batch.width if n > 1 else cfg.wide  # pieces of a wide window
             for c0 in range(0, batch.width, step):
                 c1 = min(batch.width, c0 + step)
-                cols = _slice_cols(batch, c0, c1)
-                mask = None
-                if not batch.full:
-                    mask = _additive(_allowed(plan, batch, b, c0, c1), bdt)
+                cols = cols_all if c1 - c0 == batch.width else _slice_cols(batch, c0, c1)
+                mask = None if mask_all is None else mask_all[..., c0:c1]
                 g = fused_backward_op(
                     do_b,
                     q_b,
@@ -376,14 +528,19 @@ def _rows(t: torch.Tensor, b: int | None) -> torch.Tensor:
     return t[b].transpose(0, 1)
 
 
-def _put(dst: torch.Tensor, sel: torch.Tensor | slice, src: torch.Tensor) -> None:
-    if isinstance(sel, slice):
-        dst[sel] = src
+def _put(dst: torch.Tensor, sel: Sel, src: torch.Tensor) -> None:
+    """Write the op's `(n, X, R, D)` result to rows `sel` of a `(N, X, D)` tensor."""
+    if isinstance(sel, _Strided):
+        _view(dst, sel).copy_(src.transpose(1, 2))
+    elif isinstance(sel, slice):
+        dst[sel] = _from_op(src)
     else:
-        dst.index_copy_(0, sel, src)
+        dst.index_copy_(0, sel, _from_op(src))
 
 
-def _add(dst: torch.Tensor, sel: torch.Tensor | slice, src: torch.Tensor) -> None:
+def _add(dst: torch.Tensor, sel: Sel, src: torch.Tensor) -> None:
+    if isinstance(sel, _Strided):
+        sel = sel.index()  # ranges may overlap (windows): a scatter, not a view
     if isinstance(sel, slice):
         dst[sel] += src
     else:
@@ -430,5 +587,5 @@ def attention(
     """`(out (B, H, Nq, Dv), lse (B, H, Nq))` of a plan `reason` accepted, on the layout of
     `block_q × block_k` tiles. `lse_backward(q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`
     is the exact backward used when the caller differentiates lse."""
-    sched = _Schedule(plan, block_q, block_k, cfg)
+    sched = schedule(plan, block_q, block_k, cfg)
     return _FusedStrips.apply(q, k, v, plan, sched, lse_backward)
