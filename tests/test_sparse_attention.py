@@ -128,7 +128,7 @@ def test_empty_tiles_are_never_computed(monkeypatch):
     n, b = 256, 16
     m = masks.sliding_window(16)
     q, k, v = make_qkv(B=1, H=1, Nq=n, D=4)
-    be = TiledBackend(b, b, max_rows=b, max_cols=4 * b)  # no row merging: exact count
+    be = TiledBackend(b, b, max_rows=b, max_cols=4 * b, fused=False)  # the loop, unmerged
     qkv.attention(q, k, v, mask=m, backend=be)
     kept_tiles = int((m.blocks(n, n, b, b).kind != 0).sum())
     assert kept_tiles == 16 * 3 - 2  # the band: 3 tiles a row, 2 at the ends

@@ -245,6 +245,22 @@ def test_falls_back_to_the_loop(monkeypatch, kw, why):
     assert calls["fwd"] == 0 and calls["loop"] > 0
 
 
+def test_default_is_fused_only_without_gradients(monkeypatch):
+    calls = _count_calls(monkeypatch)
+    q, k, v = make_qkv(B=1, H=2, Nq=30, D=4, requires_grad=True)
+    m = masks.sliding_window(5)
+    with torch.no_grad():
+        qkv.attention(q, k, v, mask=m, backend="tiled")
+    fused_calls = calls["fwd"]
+    assert fused_calls > 0 and calls["loop"] == 0
+    out = qkv.attention(q, k, v, mask=m, backend="tiled")  # a gradient will be taken: the loop
+    assert calls["fwd"] == fused_calls and calls["loop"] > 0
+    reason = TiledBackend().fused_reason(qkv.plan.make_plan(q, k, v, mask=m), q, k, v)
+    assert reason.startswith("a gradient will be taken")
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
 def test_fused_false_runs_the_loop(monkeypatch):
     calls = _count_calls(monkeypatch)
     q, k, v = make_qkv(B=1, H=2, Nq=30, D=4)
@@ -252,7 +268,8 @@ def test_fused_false_runs_the_loop(monkeypatch):
     assert be.fused_reason(qkv.plan.make_plan(q, k, v, mask=masks.causal()), q, k, v)
     qkv.attention(q, k, v, mask=masks.causal(), backend=be)
     assert calls["fwd"] == 0 and calls["loop"] > 0
-    assert "fused" not in repr(be) and "fused=FusedStrips" in repr(FUSED)
+    assert "fused=False" in repr(be) and "fused=FusedStrips" in repr(FUSED)
+    assert "fused" not in repr(TiledBackend())  # the default, "inference"
     with pytest.raises(TypeError, match="fused"):
         TiledBackend(fused="yes")
     with pytest.raises(ValueError, match="rows"):

@@ -302,6 +302,16 @@ class _TiledAttention(torch.autograd.Function):
         return dq, dk, dv, None, *dparams
 
 
+INFERENCE = "inference"  # TiledBackend(fused=...): the fused path for gradient-free calls only
+
+
+def _needs_grad(plan: AttentionPlan, *tensors: torch.Tensor) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    params = plan.score_mod.params if plan.score_mod is not None else ()
+    return any(t.requires_grad for t in (*tensors, *params))
+
+
 class TiledBackend:
     """Our FlashAttention-2 in PyTorch.
 
@@ -309,11 +319,14 @@ class TiledBackend:
     product spans at most `max_rows` query rows (or, in the backward, keys) and `max_cols` keys
     (or queries) when consecutive kept tiles are merged.
 
-    `fused` (opt-in, off by default until it is faster end to end): for a structured
-    `qkv.masks.Mask` on the CPU, run the kept tiles through torch's fused C++ flash kernel,
-    batched over strips of queries (`fused.py`). `True` uses `FusedStrips()`, a `FusedStrips`
-    sets its knobs, `False` runs the PyTorch loop below; plans the fused op cannot compute
-    exactly (dropout, score modifiers, tensor masks, …) run the loop either way."""
+    `fused`: for a structured `qkv.masks.Mask` on the CPU, run the kept tiles through torch's
+    fused C++ flash kernel, batched over strips of queries (`fused.py`). `"inference"` (the
+    default) does so only when no gradient will be taken (under `torch.no_grad()` or when no
+    input requires grad): its forward is faster than the loop below, but its exact backward
+    (the op's, run in fp64 for fp32 inputs) is slower than the loop's. `True` (or a
+    `FusedStrips` with its knobs) uses it for training too, `False` never. Plans the fused op
+    cannot compute exactly (dropout, score modifiers, tensor masks, …) run the loop either
+    way."""
 
     name = "tiled"
 
@@ -323,7 +336,7 @@ class TiledBackend:
         block_k: int = BLOCK_K,
         max_rows: int = MAX_ROWS,
         max_cols: int = MAX_COLS,
-        fused: bool | FusedStrips = False,
+        fused: bool | FusedStrips | str = "inference",
     ):
         for arg, value in (
             ("block_q", block_q),
@@ -335,12 +348,17 @@ class TiledBackend:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         self.block_q, self.block_k = block_q, block_k
         self.max_rows, self.max_cols = max_rows, max_cols
-        if not isinstance(fused, (bool, FusedStrips)):
-            raise TypeError(f"fused must be a bool or a FusedStrips, got {fused!r}")
-        self.fused = FusedStrips() if fused is True else (fused or None)
+        if not (isinstance(fused, (bool, FusedStrips)) or fused == INFERENCE):
+            raise TypeError(f"fused must be a bool, a FusedStrips or {INFERENCE!r}, got {fused!r}")
+        self.fused_training = fused is True or isinstance(fused, FusedStrips)
+        self.fused = FusedStrips() if fused in (True, INFERENCE) else (fused or None)
 
     def __repr__(self) -> str:
-        extra = "" if self.fused is None else f", fused={self.fused!r}"
+        extra = ""
+        if self.fused is None:
+            extra = ", fused=False"
+        elif self.fused_training:
+            extra = f", fused={self.fused!r}"
         return (
             f"TiledBackend({self.block_q}, {self.block_k}, max_rows={self.max_rows}, "
             f"max_cols={self.max_cols}{extra})"
@@ -352,6 +370,8 @@ class TiledBackend:
         """None when `forward` takes the fused-strips path, else why it runs the loop."""
         if self.fused is None:
             return "fused=False"
+        if not self.fused_training and _needs_grad(plan, q, k, v):
+            return "a gradient will be taken (fused='inference' runs the loop for training)"
         return fused_mod.reason(plan, q, k, v)
 
     def why_not(
@@ -366,7 +386,7 @@ class TiledBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        if self.fused is not None and fused_mod.reason(plan, q, k, v) is None:
+        if self.fused_reason(plan, q, k, v) is None:
 
             def lse_backward(q, k, v, out, lse, dout, dlse):  # exact, when lse is differentiated
                 return _backward(_Tiles(plan, q, self), q, k, v, out, lse, dout, dlse)[:3]
