@@ -174,3 +174,15 @@ def test_head_count_mismatch_and_wrong_type():
         qkv.attention(q, k, v, score_mod=scores.alibi(scores.alibi_slopes(8)))
     with pytest.raises(TypeError, match=r"score_mod must be a qkv.scores.ScoreMod or None"):
         qkv.attention(q, k, v, score_mod=lambda s, b, h, i, j: s)
+
+
+def test_builtin_modifiers_describe_themselves_for_compiled_kernels():
+    table = torch.zeros(2, 5, requires_grad=True)
+    slopes = scores.alibi_slopes(2)
+    mod = scores.compose(scores.alibi(slopes), scores.softcap(3.0), scores.relative_bias(table, 2))
+    kinds = [p[0] for p in mod.parts]
+    assert kinds == ["alibi", "softcap", "rel"]
+    assert torch.equal(mod.parts[0][1], slopes.double()) and mod.parts[1][1] == 3.0
+    assert mod.parts[2][1] is table and mod.parts[2][2] == 2
+    custom = scores.ScoreMod(lambda s, b, h, q, kv: s)
+    assert custom.parts is None and scores.compose(scores.softcap(1.0), custom).parts is None

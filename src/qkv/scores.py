@@ -10,6 +10,10 @@ listed in `params` so that their gradients flow through the tiled kernel's expli
     qkv.attention(q, k, v, causal=True, score_mod=mod)
 
 Masked pairs are excluded after the modifier runs, so a modifier never un-masks a pair.
+
+The built-in modifiers also describe themselves in `parts`, left to right:
+`("alibi", slopes)`, `("softcap", cap)`, `("rel", table, max_distance)`; a compiled kernel
+(the triton backend) reads that instead of running Python. A custom modifier has `parts=None`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class ScoreMod:
         name: str = "custom",
         params: Sequence[torch.Tensor] = (),
         heads: int | None = None,
+        parts: tuple[tuple, ...] | None = None,
     ):
         if not callable(fn):
             raise TypeError(f"fn must be callable as fn(score, b, h, q, kv), got {fn!r}")
@@ -43,6 +48,7 @@ class ScoreMod:
         self.name = name
         self.params = tuple(params)  # tensors whose gradients flow through attention
         self.heads = heads  # the query-head count the modifier is written for, or None
+        self.parts = parts  # what it computes, for kernels that compile it (module docstring)
 
     def __call__(self, score, b, h, q, kv):
         return self.fn(score, b, h, q, kv)
@@ -67,7 +73,9 @@ def compose(*mods: ScoreMod) -> ScoreMod:
     if len(heads) > 1:
         raise ValueError(f"cannot compose modifiers written for different head counts {heads}")
     name = " ∘ ".join(repr(m) for m in reversed(mods))
-    return ScoreMod(fn, name, params, heads.pop() if heads else None)
+    known = all(m.parts is not None for m in mods)
+    parts = tuple(p for m in mods for p in m.parts) if known else None
+    return ScoreMod(fn, name, params, heads.pop() if heads else None, parts)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -97,7 +105,7 @@ def alibi(slopes: torch.Tensor | Sequence[float]) -> ScoreMod:
     def fn(score, b, h, q, kv):
         return score - t.to(score)[h] * (q - kv).abs().to(score.dtype)
 
-    return ScoreMod(fn, f"alibi({t.numel()} heads)", heads=t.numel())
+    return ScoreMod(fn, f"alibi({t.numel()} heads)", heads=t.numel(), parts=(("alibi", t),))
 
 
 def softcap(cap: float) -> ScoreMod:
@@ -107,7 +115,11 @@ def softcap(cap: float) -> ScoreMod:
     if not math.isfinite(cap):
         raise ValueError(f"cap must be finite, got {cap!r}")
     cap = float(cap)
-    return ScoreMod(lambda score, b, h, q, kv: torch.tanh(score / cap) * cap, f"softcap({cap})")
+    return ScoreMod(
+        lambda score, b, h, q, kv: torch.tanh(score / cap) * cap,
+        f"softcap({cap})",
+        parts=(("softcap", cap),),
+    )
 
 
 def relative_bias(table: torch.Tensor, max_distance: int) -> ScoreMod:
@@ -131,4 +143,5 @@ def relative_bias(table: torch.Tensor, max_distance: int) -> ScoreMod:
         return score + table[rows, rel].to(score.dtype)
 
     heads = table.shape[0] if table.shape[0] > 1 else None
-    return ScoreMod(fn, f"relative_bias(H={table.shape[0]}, max_distance={M})", (table,), heads)
+    name = f"relative_bias(H={table.shape[0]}, max_distance={M})"
+    return ScoreMod(fn, name, (table,), heads, parts=(("rel", table, M),))

@@ -34,7 +34,6 @@ On CPU tensors it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, set b
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import math
 import os
 import sys
@@ -101,26 +100,16 @@ class _Unsupported(Exception):
     pass
 
 
-def _primitives(mod) -> list[tuple]:
-    """Flatten a `qkv.scores` modifier into [("alibi", slopes) | ("softcap", cap) |
-    ("rel", table, M)], left to right. Recognises the closures that `qkv.scores` builds."""
-    fn = getattr(mod, "fn", None)
-    if getattr(fn, "__module__", None) != "qkv.scores":
+def _primitives(mod) -> tuple[tuple, ...]:
+    """The modifier's `parts` (see `qkv.scores`): [("alibi", slopes) | ("softcap", cap) |
+    ("rel", table, M)], left to right."""
+    parts = getattr(mod, "parts", None)
+    if parts is None:
         raise _Unsupported(
             f"score_mod {mod!r} is Python code that Triton cannot compile; the triton backend "
             "runs alibi, softcap and relative_bias from qkv.scores (use backend='tiled')"
         )
-    qual = fn.__qualname__
-    env = inspect.getclosurevars(fn).nonlocals
-    if qual == "compose.<locals>.fn":
-        return [p for m in env["mods"] for p in _primitives(m)]
-    if qual == "alibi.<locals>.fn":
-        return [("alibi", env["t"])]
-    if qual == "softcap.<locals>.<lambda>":
-        return [("softcap", float(env["cap"]))]
-    if qual == "relative_bias.<locals>.fn":
-        return [("rel", env["table"], int(env["M"]))]
-    raise _Unsupported(f"score_mod {mod!r} ({qual}) is not one the triton backend can compile")
+    return parts
 
 
 def mod_spec(mod) -> ModSpec:
