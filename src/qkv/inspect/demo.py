@@ -22,7 +22,7 @@ import torch
 
 from ..functional import attention, dispatch
 from . import bench
-from .attend import EXAMPLE, load_minilm, model_attention, summary
+from .attend import EXAMPLE, model_attention, summary
 from .explain import render, walkthrough
 from .figures import attention_grid, cost_plot, token_heads
 from .viewer import write_viewer
@@ -85,8 +85,7 @@ def run(
     echo(check)
 
     echo("\n== 3. Where does 'it' look in a real model? ==")
-    model, tokenizer, name = load_minilm()
-    amap = model_attention(EXAMPLE, model, tokenizer, name)
+    amap = model_attention(EXAMPLE)  # all-MiniLM-L6-v2, loaded once per process
     answer = summary(amap, "it")
     echo(answer)
     attention_grid(amap, out / "attention-grid.png")
