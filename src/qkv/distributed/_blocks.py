@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.schedule import tile_kinds
-from ..kernels.tiled import LOG2E, TiledBackend, _backward, _Tiles
+from ..kernels.tiled import LOG2E, TiledBackend, _backward, _Tiles, fold_run
 from ..masks import EMPTY, Mask
-from ..numerics import all_finite, weighted_values
+from ..numerics import all_finite
 from ..plan import make_plan
 from .layout import Segment, segments
 
@@ -169,13 +169,12 @@ def forward(
 ) -> int:
     """Fold one block into `state` (rows `block.q.rows`); return the tiles computed. q, k, v
     are already cut to the block, in the compute dtype. The loop is the tiled kernel's forward
-    (`qkv.kernels.tiled._forward`) with its running (m, l, acc) read from and written back to
-    `state` instead of starting afresh."""
+    (its step `qkv.kernels.tiled.fold_run`) with the running (m, l, acc) read from and written
+    back to `state` instead of starting afresh."""
     T = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
     plan = T.plan
     assert T.unit == state.unit
     B, Hkv, G, D, Dv = plan.batch, plan.kv_heads, plan.groups, plan.head_dim, plan.v_dim
-    lowest = torch.finfo(T.cdt).min
     qs = (q * (plan.scale * T.unit)).reshape(B, Hkv, G, plan.q_len, D)  # (B, Hkv, G, n, D)
     v_finite = all_finite(v)
     base = block.q.local
@@ -183,20 +182,12 @@ def forward(
         i0, i1 = strip.start, strip.stop  # rows of the block
         r0, r1, n = base + i0, base + i1, i1 - i0  # the same rows of the rank's shard
         q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
+        # copies: fold_run updates l and acc in place, and they are written back below
         m = state.m[..., r0:r1].reshape(B, Hkv, G * n, 1)
-        l = state.l[..., r0:r1].reshape(B, Hkv, G * n, 1)
-        acc = state.acc[..., r0:r1, :].reshape(B, Hkv, G * n, Dv)
+        l = state.l[..., r0:r1].reshape(B, Hkv, G * n, 1).clone()
+        acc = state.acc[..., r0:r1, :].reshape(B, Hkv, G * n, Dv).clone()
         for run in strip.runs:
-            j0, j1 = run.start, run.stop
-            s = q_t @ k[:, :, j0:j1].transpose(-1, -2)  # (B, Hkv, G*n, w), log2 units
-            T.scores(s, i0, i1, j0, j1, [(i0, i1, a, b) for a, b in run.partial])
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            m_use = m_new.clamp(min=lowest)  # a row with nothing allowed yet: 2^(−inf) = 0
-            T.exp_(s.sub_(m_use))  # s is now P, unnormalised
-            alpha = T.exp(m - m_use)  # rescales what came before (0 for nothing before)
-            l = l * alpha + s.sum(dim=-1, keepdim=True)
-            acc = acc * alpha + weighted_values(s, v[:, :, j0:j1], v_finite)
-            m = m_new
+            m, l, acc = fold_run(T, q_t, k, v, i0, i1, run, m, l, acc, v_finite)
         state.m[..., r0:r1] = m.view(B, Hkv, G, n)
         state.l[..., r0:r1] = l.view(B, Hkv, G, n)
         state.acc[..., r0:r1, :] = acc.view(B, Hkv, G, n, Dv)

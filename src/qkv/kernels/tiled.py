@@ -162,6 +162,42 @@ class _Tiles:
         return keep_mask(self.plan.dropout_seed, self.plan.dropout_p, self.bh5, rows, cols)
 
 
+def fold_run(
+    T: _Tiles,
+    q_t: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    i0: int,
+    i1: int,
+    run,
+    m: torch.Tensor | None,
+    l: torch.Tensor | None,
+    acc: torch.Tensor | None,
+    v_finite: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of the online softmax: fold the run of kept key tiles `run` into the running
+    max `m`, denominator `l` and numerator `acc` of query rows i0:i1 (`q_t`, scaled into the
+    kernel's units, `(B, Hkv, G·n, D)`); `m = l = acc = None` means nothing yet. Returns the new
+    `(m, l, acc)`; `l` and `acc` are updated in place when given. The distributed ring folds
+    the blocks arriving from other ranks with the same step."""
+    plan = T.plan
+    j0, j1 = run.start, run.stop
+    s = q_t @ k[:, :, j0:j1].transpose(-1, -2)  # (B, Hkv, G*n, w) in the kernel's units
+    s5, _ = T.scores(s, i0, i1, j0, j1, [(i0, i1, a, b) for a, b in run.partial])
+    m_run = s.amax(dim=-1, keepdim=True)
+    m_new = m_run if m is None else torch.maximum(m, m_run)
+    m_use = m_new.clamp(min=torch.finfo(s.dtype).min)  # a row masked so far: 2^(−inf) = 0
+    T.exp_(s.sub_(m_use))  # s is now P, the unnormalised probabilities of the run
+    l_run = s.sum(dim=-1, keepdim=True)
+    if plan.dropout_p > 0:
+        s5.mul_(T.keep(i0, i1, j0, j1)).mul_(keep_scale(plan.dropout_p))
+    pv = weighted_values(s, v[:, :, j0:j1], v_finite)
+    if m is None:
+        return m_new, l_run, pv
+    alpha = T.exp(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
+    return m_new, l.mul_(alpha).add_(l_run), acc.mul_(alpha).add_(pv)
+
+
 def _forward(
     T: _Tiles, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +205,6 @@ def _forward(
     B, Hkv, G, Nq = plan.batch, plan.kv_heads, plan.groups, plan.q_len
     D, Dv = plan.head_dim, plan.v_dim
     cdt = T.cdt
-    lowest = torch.finfo(cdt).min
     lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
     qs = (q.to(cdt) * (plan.scale * T.unit)).reshape(B, Hkv, G, Nq, D)  # (B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)  # (B, Hkv, Nk, D), (B, Hkv, Nk, Dv); no copy for fp32/64
@@ -177,32 +212,13 @@ def _forward(
     # Rows that no strip covers (every tile empty) keep output 0 and lse −inf.
     out = torch.zeros(B, Hkv, G, Nq, Dv, dtype=plan.dtype, device=q.device)
     lse = torch.full((B, Hkv, G, Nq), -torch.inf, dtype=lse_dtype, device=q.device)
-    ks = keep_scale(plan.dropout_p)
-
     for strip in T.forward_strips():
         i0, i1 = strip.start, strip.stop
         n = i1 - i0
         q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)  # (B, Hkv, G*n, D)
         m = l = acc = None
         for run in strip.runs:
-            j0, j1 = run.start, run.stop
-            s = q_t @ kc[:, :, j0:j1].transpose(-1, -2)  # (B, Hkv, G*n, w) in log2 units
-            s5, _ = T.scores(s, i0, i1, j0, j1, [(i0, i1, a, b) for a, b in run.partial])
-            m_run = s.amax(dim=-1, keepdim=True)
-            m_new = m_run if m is None else torch.maximum(m, m_run)
-            m_use = m_new.clamp(min=lowest)  # a row masked so far: 2^(−inf − lowest) = 0
-            T.exp_(s.sub_(m_use))  # s is now P, the unnormalised probabilities of the run
-            l_run = s.sum(dim=-1, keepdim=True)
-            if plan.dropout_p > 0:
-                s5.mul_(T.keep(i0, i1, j0, j1)).mul_(ks)
-            pv = weighted_values(s, vc[:, :, j0:j1], v_finite)
-            if m is None:
-                l, acc = l_run, pv
-            else:
-                alpha = T.exp(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
-                l = l.mul_(alpha).add_(l_run)
-                acc = acc.mul_(alpha).add_(pv)
-            m = m_new
+            m, l, acc = fold_run(T, q_t, kc, vc, i0, i1, run, m, l, acc, v_finite)
         empty = l == 0
         o = acc / torch.where(empty, 1.0, l)
         out[:, :, :, i0:i1] = o.view(B, Hkv, G, n, Dv)
