@@ -1,8 +1,8 @@
 """The fused-strips path of the tiled backend (kernels/fused.py) against the fp64 golden.
 
-Small layout tiles (8×8), strips of at most 16 rows, windows wider than 24 keys run alone (and
-in pieces in the backward) and a small byte budget: so that N=50 already has many strips,
-several groups, batches cut by the budget, padded windows and chunked backward windows.
+Small layout tiles (8×8), strips of at most 16 rows, windows wider than 24 keys run alone and
+a small byte budget: so that N=50 already has many strips, several groups, batches cut by the
+budget and padded windows. The gradient is always the tiled loop's backward.
 """
 
 from __future__ import annotations
@@ -50,13 +50,9 @@ PATTERNS = {
 
 
 def _count_calls(monkeypatch):
+    """fwd: fused op calls; loop: forwards of the tiled loop; bwd: backwards of the loop."""
     calls = {"fwd": 0, "bwd": 0, "loop": 0, "masks": []}
-    fwd, bwd, additive = (
-        fused_mod.fused_forward_op,
-        fused_mod.fused_backward_op,
-        fused_mod._additive,
-    )
-    scores = tiled_mod._Tiles.scores
+    fwd, additive = fused_mod.fused_forward_op, fused_mod._additive
 
     def count(key, f):
         def wrapped(*a, **kw):
@@ -70,9 +66,9 @@ def _count_calls(monkeypatch):
         return additive(allowed, dtype)
 
     monkeypatch.setattr(fused_mod, "fused_forward_op", count("fwd", fwd))
-    monkeypatch.setattr(fused_mod, "fused_backward_op", count("bwd", bwd))
     monkeypatch.setattr(fused_mod, "_additive", recording_additive)
-    monkeypatch.setattr(tiled_mod._Tiles, "scores", count("loop", scores))
+    monkeypatch.setattr(tiled_mod, "_forward", count("loop", tiled_mod._forward))
+    monkeypatch.setattr(tiled_mod, "_backward", count("bwd", tiled_mod._backward))
     return calls
 
 
@@ -102,7 +98,8 @@ def test_pattern_fp32_fused_vs_golden(monkeypatch, name, causal):
     n = 50
     q, k, v = make_qkv(B=2, H=6, Hkv=2, Nq=n, D=8, requires_grad=True)
     _check(q, k, v, torch.float32, mask=PATTERNS[name](n), causal=causal)
-    assert calls["fwd"] > 1 and calls["bwd"] > 1 and calls["loop"] == 0  # the fused path ran
+    assert calls["fwd"] > 1 and calls["loop"] == 0  # the fused forward ran
+    assert calls["bwd"] == 1  # and the loop's backward
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -120,7 +117,7 @@ def test_non_contiguous_gqa_gradients(monkeypatch, dtype):
     for m in (masks.sliding_window(5, 0), PATTERNS["longformer"](40)):
         _, grads = _check(q, k, v, dtype, mask=m)
         assert all(t.abs().sum() > 0 for t in grads)
-    assert calls["fwd"] > 1 and calls["bwd"] > 1 and calls["loop"] == 0
+    assert calls["fwd"] > 1 and calls["bwd"] == 2 and calls["loop"] == 0
 
 
 @pytest.mark.parametrize(
@@ -150,7 +147,7 @@ def test_default_settings_fp32_long_window(monkeypatch):
     n = 700
     q, k, v = make_qkv(B=1, H=2, Nq=n, D=16, requires_grad=True)
     m = masks.sliding_window(100) | masks.global_tokens([3, 400])
-    _check(q, k, v, torch.float32, be=TiledBackend(fused=True), mask=m)
+    _check(q, k, v, torch.float32, be=TiledBackend(), mask=m)
     assert calls["loop"] == 0 and calls["fwd"] >= 2
 
 
@@ -173,7 +170,7 @@ def test_fully_masked_rows_give_zero_and_neg_inf():
 
 
 def test_lse_gradient_is_exact(monkeypatch):
-    # The op has no lse gradient: a backward with dlse runs the tiled loop's exact backward.
+    # The op has no lse gradient; the loop's backward, which the fused path runs, has.
     q, k, v = make_qkv(B=1, H=4, Hkv=2, Nq=30, D=4, dtype=torch.float64, requires_grad=True)
     m = PATTERNS["longformer"](30)
     grads = []
@@ -201,7 +198,7 @@ def test_no_nq_by_nk_tensor(monkeypatch):
     calls = _count_calls(monkeypatch)
     n, w = 2048, 32
     q, k, v = make_qkv(B=1, H=2, Nq=n, D=8, requires_grad=True)
-    out = qkv.attention(q, k, v, mask=masks.sliding_window(w), backend=TiledBackend(fused=True))
+    out = qkv.attention(q, k, v, mask=masks.sliding_window(w), backend=TiledBackend())
     out.sum().backward()
     assert calls["masks"] and calls["loop"] == 0
     assert max(s[-2] * s[-1] for s in calls["masks"]) <= 128 * (128 + 2 * w + 2 * 64)
@@ -237,20 +234,18 @@ def test_falls_back_to_the_loop(monkeypatch, kw, why):
     assert calls["fwd"] == 0 and calls["loop"] > 0
 
 
-def test_default_is_fused_only_without_gradients(monkeypatch):
+def test_default_is_fused_forward_and_loop_backward(monkeypatch):
     calls = _count_calls(monkeypatch)
     q, k, v = make_qkv(B=1, H=2, Nq=30, D=4, requires_grad=True)
     m = masks.sliding_window(5)
     with torch.no_grad():
         qkv.attention(q, k, v, mask=m, backend="tiled")
-    fused_calls = calls["fwd"]
-    assert fused_calls > 0 and calls["loop"] == 0
-    out = qkv.attention(q, k, v, mask=m, backend="tiled")  # a gradient will be taken: the loop
-    assert calls["fwd"] == fused_calls and calls["loop"] > 0
-    reason = TiledBackend().fused_reason(qkv.plan.make_plan(q, k, v, mask=m), q, k, v)
-    assert reason.startswith("a gradient will be taken")
+    assert calls["fwd"] > 0 and calls["loop"] == 0
+    out = qkv.attention(q, k, v, mask=m, backend="tiled")  # a gradient will be taken
+    assert calls["loop"] == 0 and calls["bwd"] == 0
+    assert TiledBackend().fused_reason(qkv.plan.make_plan(q, k, v, mask=m), q, k, v) is None
     out.sum().backward()
-    assert q.grad is not None and q.grad.abs().sum() > 0
+    assert calls["bwd"] == 1 and q.grad is not None and q.grad.abs().sum() > 0
 
 
 def test_fused_false_runs_the_loop(monkeypatch):
@@ -261,7 +256,8 @@ def test_fused_false_runs_the_loop(monkeypatch):
     qkv.attention(q, k, v, mask=masks.causal(), backend=be)
     assert calls["fwd"] == 0 and calls["loop"] > 0
     assert "fused=False" in repr(be) and "fused=FusedStrips" in repr(FUSED)
-    assert "fused" not in repr(TiledBackend())  # the default, "inference"
+    assert "fused" not in repr(TiledBackend())  # the default
+    assert "fused" not in repr(TiledBackend(fused=True))
     with pytest.raises(TypeError, match="fused"):
         TiledBackend(fused="yes")
     with pytest.raises(ValueError, match="rows"):

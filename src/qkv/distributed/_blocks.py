@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.schedule import tile_kinds
-from ..kernels.tiled import LOG2E, TiledBackend, _backward, _Tiles, fold_run
+from ..kernels.tiled import LOG2E, TiledBackend, _backward, _Tiles, fold_run, kernel_units
 from ..masks import EMPTY, Mask
 from ..numerics import all_finite
 from ..plan import make_plan
@@ -140,11 +140,12 @@ class Softmax:
     scores, and the merged result is as accurate as the single-process kernel's.
     """
 
-    def __init__(self, B, Hkv, G, n, Dv, dtype, device):
+    def __init__(self, B, Hkv, G, n, Dv, dtype, device, scale: float):
         self.m = torch.full((B, Hkv, G, n), -torch.inf, dtype=dtype, device=device)
         self.l = torch.zeros(B, Hkv, G, n, dtype=dtype, device=device)
         self.acc = torch.zeros(B, Hkv, G, n, Dv, dtype=dtype, device=device)
         self.unit = LOG2E  # no score modifier: the kernel works in log2 units
+        self.q_scale, self.lse_unit = kernel_units(scale, self.unit, dtype)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out `(B, H, n, Dv)`, lse `(B, H, n)`) in the compute dtype; a row that no key
@@ -153,7 +154,7 @@ class Softmax:
         empty = self.l == 0
         l_safe = torch.where(empty, 1.0, self.l)
         out = self.acc / l_safe.unsqueeze(-1)
-        lse = torch.where(empty, -torch.inf, self.m / self.unit + torch.log(l_safe))
+        lse = torch.where(empty, -torch.inf, self.m / self.lse_unit + torch.log(l_safe))
         return out.view(B, Hkv * G, n, Dv), lse.view(B, Hkv * G, n)
 
 
@@ -173,9 +174,9 @@ def forward(
     back to `state` instead of starting afresh."""
     T = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
     plan = T.plan
-    assert T.unit == state.unit
+    assert (T.q_scale, T.lse_unit) == (state.q_scale, state.lse_unit)
     B, Hkv, G, D, Dv = plan.batch, plan.kv_heads, plan.groups, plan.head_dim, plan.v_dim
-    qs = (q * (plan.scale * T.unit)).reshape(B, Hkv, G, plan.q_len, D)  # (B, Hkv, G, n, D)
+    qs = q.reshape(B, Hkv, G, plan.q_len, D)  # (B, Hkv, G, n, D)
     v_finite = all_finite(v)
     base = block.q.local
     for strip in T.forward_strips():

@@ -76,7 +76,7 @@ def _ring_forward(cfg: _Config, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         q_c = _chunk(q, c, g)  # (B, H/g, n, D)
         kv = [_chunk(k, c, g), _chunk(v, c, g)]  # this rank's keys/values travel first
         hkv = kv[0].shape[1]
-        state = _blocks.Softmax(B, hkv, H // g // hkv, n, Dv, cdt, q.device)
+        state = _blocks.Softmax(B, hkv, H // g // hkv, n, Dv, cdt, q.device, P.scale)
         for step in range(P.world):
             src = (P.rank - step) % P.world  # whose keys/values we hold now
             pending = ring.shift(kv, TAG_KV) if step < P.world - 1 else None

@@ -1,13 +1,11 @@
-"""Fused strips: the tiled backend's fast path for structured masks on the CPU.
+"""Fused strips: the tiled backend's fast forward for structured masks on the CPU.
 
 The tiled kernel (tiled.py) does the softmax arithmetic of every tile as separate eager PyTorch
-passes; for a sliding window that arithmetic, not the matrix products, is most of the time.
-Torch ships a fused C++ CPU flash-attention kernel that takes an additive mask and returns the
-log-sum-exp::
+passes; for a sliding window that arithmetic, not the matrix products, is most of the forward's
+time. Torch ships a fused C++ CPU flash-attention kernel that takes an additive mask and returns
+the log-sum-exp::
 
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=, scale=)
-    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=, scale=)
 
 It accepts grouped kv heads (query head h reads kv head h // G), arbitrary strides, fp32, fp64,
 bf16 and fp16 (scores and softmax in fp32 for the low precisions), and its lse is in natural
@@ -28,7 +26,9 @@ runs every key of its `k`. So this module hands it only the keys each group of q
    rows and a width bucket (rounded up by at most 1/8) and are gathered with `index_select`
    (the copy also folds batch into heads: `(strips, B·H, rows, D)` against
    `(strips, B·Hkv, width, D)`); padded columns are masked out. Groups are cut into batches
-   within `budget` bytes; each batch is ONE call of the fused op. Masks are built per tile:
+   within `budget` bytes (4 MiB: measured on 2 cores at N=16384, Longformer's forward took
+   ~250 ms with batches of 2-4 MiB and 360-570 ms with 6-32 MiB, the band ~170 ms either
+   way); each batch is ONE call of the fused op. Masks are built per tile:
    FULL tiles are 0 with no arithmetic, the rule is evaluated only on PARTIAL tiles (all of a
    batch at once, as `(P, 1|H, rows, block_k)` blocks), and when every strip of a batch has the
    same mask (a band) one `(1, 1|H, rows, width)` mask is broadcast (stride 0) over the strips;
@@ -38,27 +38,18 @@ runs every key of its `k`. So this module hands it only the keys each group of q
    small LRU (`_CACHE`, 8 entries, masks within `mask_cache` bytes each), like FlexAttention's
    BlockMask: a training loop that reuses its Mask builds them once.
 4. **Wide strips** (window wider than `wide` keys: the rows of a global token, a dense prefix)
-   run alone; a contiguous window is passed as a view of k/v (no copy). The backward cuts every
-   window into pieces of at most `wide` keys: with the forward's lse, each piece's dK/dV and
-   share of dQ are exact on their own, which bounds the backward's temporaries.
+   run alone; a contiguous window is passed as a view of k/v (no copy).
 
-Semantics fixed up around the op: a row with no allowed key gets out 0 (the op gives 0), lse
-−inf (the op gives 0) and zero gradients (the op gives 0 when handed lse 0 for that row, which
-is what the backward passes). Masks that depend on the batch element (padding, key_mask) or on
-the head when B > 1 run one batch element at a time, so the mask is never repeated B times.
+Semantics fixed up around the op: a row with no allowed key gets out 0 (the op gives 0) and lse
+−inf (the op gives 0). Masks that depend on the batch element (padding, key_mask) or on the head
+when B > 1 run one batch element at a time, so the mask is never repeated B times.
 
-Accuracy: in fp32 the op's backward is less accurate than the error-ratio rule of DESIGN.md §3
-allows (dQ up to ~4× the fp32 reference's error on small masked problems, where the PyTorch loop
-stays within 2×); with fp64 arithmetic it is within 1.5-2×. So by default (`exact_backward`) the
-backward of fp32 inputs gathers each batch in fp64 and runs the op there (the gather copies
-anyway; the products cost about twice as much). bf16/fp16 run the op in their own dtype (it
-accumulates in fp32), which passes the rule.
-
-Backward: `_FusedStrips` (an autograd Function) saves q, k, v, out and lse only (O(N·d)),
-re-gathers each batch, calls the fused backward op on it and scatters dQ with `index_add_` and
-dK/dV with `index_add_` (windows overlap). The op has no lse gradient; when the caller
-differentiates lse (ring attention merges blocks by lse), the backward of that call runs the
-tiled kernel's backward instead, which is exact and consistent with this forward.
+Backward: `_FusedStrips` (an autograd Function) saves q, k, v, out and lse only (O(N·d)) and
+runs the tiled kernel's own backward (`loop_backward`, FlashAttention-2's recomputation from the
+saved lse), which is exact under the error-ratio rule of DESIGN.md §3 and, measured, faster. The
+op's own backward (`aten._scaled_dot_product_flash_attention_for_cpu_backward`) is not used: in
+fp32 it breaks that rule on small masked problems (dQ up to ~4× the fp32 reference's error, dV
+up to ~6×), and run in fp64 to be exact it was ~2.9× slower than the loop for forward+backward.
 
 What stays on the tiled kernel (see `reason`): dropout (ours is a counter-based hash the op
 cannot reproduce), score modifiers, returned weights, dense bool or float masks, Dv ≠ D (the op
@@ -83,23 +74,15 @@ from .schedule import strips, tile_kinds
 
 _OPS = torch.ops.aten
 _FWD_NAME = "_scaled_dot_product_flash_attention_for_cpu"
-_BWD_NAME = "_scaled_dot_product_flash_attention_for_cpu_backward"
 
 
 def _op_available() -> bool:
-    return hasattr(_OPS, _FWD_NAME) and hasattr(_OPS, _BWD_NAME)
+    return hasattr(_OPS, _FWD_NAME)
 
 
 def fused_forward_op(q, k, v, mask, scale):
     """The fused op's forward (a module-level name, so tests can count the calls)."""
     return getattr(_OPS, _FWD_NAME)(q, k, v, attn_mask=mask, scale=scale)
-
-
-def fused_backward_op(dout, q, k, v, out, lse, mask, scale):
-    """The fused op's backward."""
-    return getattr(_OPS, _BWD_NAME)(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
-    )
 
 
 @dataclass(frozen=True)
@@ -108,10 +91,9 @@ class FusedStrips:
 
     rows: int = 64  # most query rows per strip
     waste: float = 1.25  # merge rows of tiles while the union of kept tiles grows ≤ 25%
-    wide: int = 4096  # a window wider than this runs alone (forward) / in pieces (backward)
-    budget: int = 64 * 2**20  # bytes of gathered tensors (and mask) per batched call
+    wide: int = 4096  # a strip whose window is wider than this runs alone
+    budget: int = 4 * 2**20  # bytes of gathered tensors (and mask) per batched call
     mask_cache: int = 64 * 2**20  # bytes of masks a cached schedule keeps (beyond: rebuilt)
-    exact_backward: bool = True  # fp32 inputs: run the backward op in fp64 (see the docstring)
 
     def __post_init__(self):
         for name in ("rows", "wide", "budget", "mask_cache"):
@@ -158,11 +140,6 @@ class _Strided:
     step: int
     count: int
     length: int
-
-    def index(self) -> torch.Tensor:
-        """The same rows as a flat `(count·length,)` index (for scatters of overlapping ranges)."""
-        base = torch.arange(self.count).view(-1, 1) * self.step + self.start
-        return (base + torch.arange(self.length)).reshape(-1)
 
 
 Sel = torch.Tensor | slice | _Strided
@@ -255,8 +232,8 @@ class _Schedule:
         elt = torch.empty((), dtype=p.dtype).element_size()
         bh, bhkv = p.batch * p.heads, p.batch * p.kv_heads
         mask_heads = p.heads if p.mask_rule is not None and p.mask_rule.heads else 1
-        # backward: q, dout, out, dq (rows) + k, v, dk, dv (window) + mask and its bool
-        tensors = 4 * n_rows * bh * p.head_dim + 4 * width * bhkv * p.head_dim
+        # q and out (rows), k and v (window), the additive mask and its bool
+        tensors = 2 * n_rows * bh * p.head_dim + 2 * width * bhkv * p.head_dim
         return elt * tensors + (elt + 1) * n_rows * width * mask_heads
 
     def _batch(self, items, n_rows: int, width: int, contiguous: bool) -> _Batch:
@@ -433,12 +410,6 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, -torch.inf)
 
 
-def _slice_cols(batch: _Batch, c0: int, c1: int) -> torch.Tensor | slice:
-    if isinstance(batch.cols, slice):
-        return slice(batch.cols.start + c0, batch.cols.start + c1)
-    return batch.col_pos[:, c0:c1].reshape(-1)
-
-
 def _forward(plan: AttentionPlan, sched: _Schedule, q, k, v):
     B, H, Nq, Dv = plan.batch, plan.heads, plan.q_len, plan.v_dim
     lse_dtype = torch.float64 if plan.dtype == torch.float64 else torch.float32
@@ -462,52 +433,6 @@ def _forward(plan: AttentionPlan, sched: _Schedule, q, k, v):
             _put(out_t, batch.rows, o)
             _put(lse_t, batch.rows, lse_b.unsqueeze(-1))
     return out, lse
-
-
-def _backward(plan: AttentionPlan, sched: _Schedule, q, k, v, out, lse, dout):
-    """The fused op's backward, batch by batch (masks from the schedule's cache)."""
-    cfg = sched.cfg
-    wide = cfg.exact_backward and plan.dtype == torch.float32
-    bdt = torch.float64 if wide else plan.dtype  # the backward op's dtype
-    ldt = torch.float64 if bdt == torch.float64 else torch.float32  # and of its lse
-
-    def take(t, sel, n):
-        return _take(t, sel, n).to(bdt)
-
-    # Contiguous (not zeros_like, which keeps a transposed input's strides): `_rows` must
-    # return views of these, or the scatters below would land in a temporary copy.
-    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v))
-    for b in _batch_elements(plan):
-        qt, kt, vt, ot, dot = (_rows(t, b) for t in (q, k, v, out, dout))
-        lt = _rows(torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1), b)  # op's lse: 0
-        dqt, dkt, dvt = (_rows(t, b) for t in (dq, dk, dv))
-        for i, batch in enumerate(sched.batches):
-            n = batch.r0.numel()
-            q_b, o_b, do_b = (take(t, batch.rows, n) for t in (qt, ot, dot))
-            l_b = _take(lt, batch.rows, n).to(ldt).squeeze(-1)  # (n, X, R)
-            mask_all, _ = sched.mask(i, b, bdt)
-            cols_all = batch.cols.index() if isinstance(batch.cols, _Strided) else batch.cols
-            dq_b = None
-            step = batch.width if n > 1 else cfg.wide  # pieces of a wide window
-            for c0 in range(0, batch.width, step):
-                c1 = min(batch.width, c0 + step)
-                cols = cols_all if c1 - c0 == batch.width else _slice_cols(batch, c0, c1)
-                mask = None if mask_all is None else mask_all[..., c0:c1]
-                g = fused_backward_op(
-                    do_b,
-                    q_b,
-                    take(kt, cols, n),
-                    take(vt, cols, n),
-                    o_b,
-                    l_b,
-                    mask,
-                    plan.scale,
-                )
-                dq_b = g[0] if dq_b is None else dq_b.add_(g[0])
-                _add(dkt, cols, _from_op(g[1]).to(dkt.dtype))
-                _add(dvt, cols, _from_op(g[2]).to(dvt.dtype))
-            _add(dqt, batch.rows, _from_op(dq_b).to(dqt.dtype))
-    return dq, dk, dv
 
 
 def _batch_elements(plan: AttentionPlan) -> list[int | None]:
@@ -538,40 +463,28 @@ def _put(dst: torch.Tensor, sel: Sel, src: torch.Tensor) -> None:
         dst.index_copy_(0, sel, _from_op(src))
 
 
-def _add(dst: torch.Tensor, sel: Sel, src: torch.Tensor) -> None:
-    if isinstance(sel, _Strided):
-        sel = sel.index()  # ranges may overlap (windows): a scatter, not a view
-    if isinstance(sel, slice):
-        dst[sel] += src
-    else:
-        dst.index_add_(0, sel, src)
-
-
 # ------------------------------------------------------------------------------- autograd
 
 
 class _FusedStrips(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, sched, lse_backward):  # type: ignore[override]
+    def forward(ctx, q, k, v, plan, sched, loop_backward):  # type: ignore[override]
         out, lse = _forward(plan, sched, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.sched, ctx.lse_backward = plan, sched, lse_backward
+        ctx.loop_backward = loop_backward
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        if dlse is not None and bool((dlse != 0).any()):
-            dq, dk, dv = ctx.lse_backward(q, k, v, out, lse, dout, dlse)
-        elif dout is None:
+        if dout is None and dlse is None:
             return None, None, None, None, None, None
-        else:
-            dq, dk, dv = _backward(ctx.plan, ctx.sched, q, k, v, out, lse, dout)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.loop_backward(q, k, v, out, lse, dout, dlse)
         return dq, dk, dv, None, None, None
 
 
-LseBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+LoopBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def attention(
@@ -582,10 +495,10 @@ def attention(
     block_q: int,
     block_k: int,
     cfg: FusedStrips,
-    lse_backward: LseBackward,
+    loop_backward: LoopBackward,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out (B, H, Nq, Dv), lse (B, H, Nq))` of a plan `reason` accepted, on the layout of
-    `block_q × block_k` tiles. `lse_backward(q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`
-    is the exact backward used when the caller differentiates lse."""
+    `block_q × block_k` tiles. `loop_backward(q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`
+    is the tiled kernel's exact backward, which the gradient runs (dout or dlse may be None)."""
     sched = schedule(plan, block_q, block_k, cfg)
-    return _FusedStrips.apply(q, k, v, plan, sched, lse_backward)
+    return _FusedStrips.apply(q, k, v, plan, sched, loop_backward)

@@ -66,6 +66,21 @@ def _tile(t: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
     return t[..., rows, cols]
 
 
+def kernel_units(scale: float, unit: float, dtype: torch.dtype) -> tuple[float, float]:
+    """`(q_scale, lse_unit)`: q is multiplied by `q_scale = scale · unit` (a Python float, which
+    the multiplication rounds to `dtype`), and an lse converts between natural units and the
+    kernel's by `lse_unit = fl(scale · unit) / fl(scale)`, the factor that rounding really
+    applied. The reference and torch's SDPA kernels scale the scores by fl(scale), so an lse
+    one of them computed (the fused path's) matches this kernel's recomputed scores without a
+    systematic error of one rounding of the constant (which broke the error-ratio rule)."""
+    q_scale = scale * unit
+
+    def rounded(x: float) -> float:
+        return torch.tensor(x, dtype=dtype).item()
+
+    return q_scale, rounded(q_scale) / rounded(scale)
+
+
 class _Tiles:
     """Per-call state shared by the forward and backward loops."""
 
@@ -90,6 +105,7 @@ class _Tiles:
         # Units of the scores: log2 (fast exp2) unless a score modifier wants natural units.
         natural = plan.score_mod is not None
         self.unit = 1.0 if natural else LOG2E
+        self.q_scale, self.lse_unit = kernel_units(plan.scale, self.unit, self.cdt)
         self.exp_ = torch.Tensor.exp_ if natural else torch.Tensor.exp2_
         self.exp = torch.exp if natural else torch.exp2
 
@@ -182,7 +198,7 @@ def fold_run(
     the blocks arriving from other ranks with the same step."""
     plan = T.plan
     j0, j1 = run.start, run.stop
-    s = q_t @ k[:, :, j0:j1].transpose(-1, -2)  # (B, Hkv, G*n, w) in the kernel's units
+    s = (q_t @ k[:, :, j0:j1].transpose(-1, -2)).mul_(T.q_scale)  # (B, Hkv, G*n, w), kernel units
     s5, _ = T.scores(s, i0, i1, j0, j1, [(i0, i1, a, b) for a, b in run.partial])
     m_run = s.amax(dim=-1, keepdim=True)
     m_new = m_run if m is None else torch.maximum(m, m_run)
@@ -206,7 +222,7 @@ def _forward(
     D, Dv = plan.head_dim, plan.v_dim
     cdt = T.cdt
     lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
-    qs = (q.to(cdt) * (plan.scale * T.unit)).reshape(B, Hkv, G, Nq, D)  # (B, Hkv, G, Nq, D)
+    qs = q.to(cdt).reshape(B, Hkv, G, Nq, D)  # (B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)  # (B, Hkv, Nk, D), (B, Hkv, Nk, Dv); no copy for fp32/64
     v_finite = all_finite(vc)
     # Rows that no strip covers (every tile empty) keep output 0 and lse −inf.
@@ -222,7 +238,7 @@ def _forward(
         empty = l == 0
         o = acc / torch.where(empty, 1.0, l)
         out[:, :, :, i0:i1] = o.view(B, Hkv, G, n, Dv)
-        m_nat = m / T.unit
+        m_nat = m / T.lse_unit
         row_lse = torch.where(empty, -torch.inf, m_nat + torch.log(torch.where(empty, 1.0, l)))
         lse[:, :, :, i0:i1] = row_lse.view(B, Hkv, G, n)
     return out.view(B, plan.heads, Nq, Dv), lse.view(B, plan.heads, Nq)
@@ -242,7 +258,7 @@ def _backward(
     B, Hkv, G, Nq, Nk = plan.batch, plan.kv_heads, plan.groups, plan.q_len, plan.kv_len
     D, Dv = plan.head_dim, plan.v_dim
     cdt = T.cdt
-    qs = (q.to(cdt) * (plan.scale * T.unit)).reshape(B, Hkv, G, Nq, D)
+    qs = q.to(cdt).reshape(B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)
     # Garbage in masked-out keys/values must not turn 0-weight gradients into NaN.
     if not all_finite(kc):
@@ -257,7 +273,9 @@ def _backward(
     Di = (do5 * out.to(cdt).reshape(B, Hkv, G, Nq, Dv)).sum(-1)  # (B, Hkv, G, Nq)
     if dlse is not None:
         Di = Di - dlse.to(cdt).reshape(B, Hkv, G, Nq)
-    lse2 = (lse.to(cdt) * T.unit).reshape(B, Hkv, G, Nq)
+    lse_w = (lse.double() * T.lse_unit).reshape(B, Hkv, G, Nq)
+    lse2 = lse_w.to(cdt)
+    lse_lo = torch.nan_to_num(lse_w - lse2.double(), nan=0.0).to(cdt)
     lse2 = torch.where(torch.isneginf(lse2), torch.inf, lse2)  # fully masked row: P = 0
     dq = torch.zeros(B, Hkv, G, Nq, D, dtype=cdt, device=q.device)
     dk = torch.zeros(B, Hkv, Nk, D, dtype=cdt, device=q.device)
@@ -275,11 +293,12 @@ def _backward(
             n = i1 - i0
             q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
             do_t = do5[:, :, :, i0:i1].reshape(B, Hkv, G * n, Dv)
-            s = q_t @ k_t.transpose(-1, -2)  # (B, Hkv, G*n, w)
+            s = (q_t @ k_t.transpose(-1, -2)).mul_(T.q_scale)  # (B, Hkv, G*n, w)
             _, graph = T.scores(
                 s, i0, i1, j0, j1, [(a, b, j0, j1) for a, b in run.partial], track=True
             )
-            p = T.exp_(s.sub_(lse2[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)))  # P, exact
+            s.sub_(lse2[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1))
+            p = T.exp_(s.sub_(lse_lo[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)))  # P, exact
             dp = do_t @ v_t.transpose(-1, -2)  # dP of the (dropped) weights
             if plan.dropout_p > 0:
                 keep = T.keep(i0, i1, j0, j1).reshape(B, Hkv, G * n, j1 - j0)
@@ -298,7 +317,7 @@ def _backward(
             dq[:, :, :, i0:i1].add_((ds @ k_t).view(B, Hkv, G, n, D))
             dk_t.add_(ds.transpose(-1, -2) @ q_t)
     dq = dq.mul_(plan.scale).reshape(B, plan.heads, Nq, D)  # in place: no second O(N·d) copy
-    dk = dk.mul_(1.0 / T.unit)  # q_t carried scale · unit; dK needs scale only
+    dk = dk.mul_(plan.scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
 
 
@@ -318,16 +337,6 @@ class _TiledAttention(torch.autograd.Function):
         return dq, dk, dv, None, *dparams
 
 
-INFERENCE = "inference"  # TiledBackend(fused=...): the fused path for gradient-free calls only
-
-
-def _needs_grad(plan: AttentionPlan, *tensors: torch.Tensor) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    params = plan.score_mod.params if plan.score_mod is not None else ()
-    return any(t.requires_grad for t in (*tensors, *params))
-
-
 class TiledBackend:
     """Our FlashAttention-2 in PyTorch.
 
@@ -335,14 +344,11 @@ class TiledBackend:
     product spans at most `max_rows` query rows (or, in the backward, keys) and `max_cols` keys
     (or queries) when consecutive kept tiles are merged.
 
-    `fused`: for a structured `qkv.masks.Mask` on the CPU, run the kept tiles through torch's
-    fused C++ flash kernel, batched over strips of queries (`fused.py`). `"inference"` (the
-    default) does so only when no gradient will be taken (under `torch.no_grad()` or when no
-    input requires grad): its forward is faster than the loop below, but its exact backward
-    (the op's, run in fp64 for fp32 inputs) is slower than the loop's. `True` (or a
-    `FusedStrips` with its knobs) uses it for training too, `False` never. Plans the fused op
-    cannot compute exactly (dropout, score modifiers, tensor masks, …) run the loop either
-    way."""
+    `fused`: for a structured `qkv.masks.Mask` on the CPU, run the forward's kept tiles through
+    torch's fused C++ flash kernel, batched over strips of queries (`fused.py`); the gradient
+    is this kernel's own backward either way. `True` (the default) or a `FusedStrips` with its
+    knobs turns it on, `False` off. Plans the fused op cannot compute exactly (dropout, score
+    modifiers, tensor masks, …) run the loop either way."""
 
     name = "tiled"
 
@@ -352,7 +358,7 @@ class TiledBackend:
         block_k: int = BLOCK_K,
         max_rows: int = MAX_ROWS,
         max_cols: int = MAX_COLS,
-        fused: bool | FusedStrips | str = "inference",
+        fused: bool | FusedStrips = True,
     ):
         for arg, value in (
             ("block_q", block_q),
@@ -364,16 +370,15 @@ class TiledBackend:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         self.block_q, self.block_k = block_q, block_k
         self.max_rows, self.max_cols = max_rows, max_cols
-        if not (isinstance(fused, (bool, FusedStrips)) or fused == INFERENCE):
-            raise TypeError(f"fused must be a bool, a FusedStrips or {INFERENCE!r}, got {fused!r}")
-        self.fused_training = fused is True or isinstance(fused, FusedStrips)
-        self.fused = FusedStrips() if fused in (True, INFERENCE) else (fused or None)
+        if not isinstance(fused, (bool, FusedStrips)):
+            raise TypeError(f"fused must be a bool or a FusedStrips, got {fused!r}")
+        self.fused = FusedStrips() if fused is True else (fused or None)
 
     def __repr__(self) -> str:
         extra = ""
         if self.fused is None:
             extra = ", fused=False"
-        elif self.fused_training:
+        elif self.fused != FusedStrips():
             extra = f", fused={self.fused!r}"
         return (
             f"TiledBackend({self.block_q}, {self.block_k}, max_rows={self.max_rows}, "
@@ -386,8 +391,6 @@ class TiledBackend:
         """None when `forward` takes the fused-strips path, else why it runs the loop."""
         if self.fused is None:
             return "fused=False"
-        if not self.fused_training and _needs_grad(plan, q, k, v):
-            return "a gradient will be taken (fused='inference' runs the loop for training)"
         return fused_mod.reason(plan, q, k, v)
 
     def why_not(
@@ -404,11 +407,11 @@ class TiledBackend:
     ) -> Result:
         if self.fused_reason(plan, q, k, v) is None:
 
-            def lse_backward(q, k, v, out, lse, dout, dlse):  # exact, when lse is differentiated
+            def loop_backward(q, k, v, out, lse, dout, dlse):
                 return _backward(_Tiles(plan, q, self), q, k, v, out, lse, dout, dlse)[:3]
 
             out, lse = fused_mod.attention(
-                plan, q, k, v, self.block_q, self.block_k, self.fused, lse_backward
+                plan, q, k, v, self.block_q, self.block_k, self.fused, loop_backward
             )
             return out, lse, None
         params = plan.score_mod.params if plan.score_mod is not None else ()
