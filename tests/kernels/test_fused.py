@@ -169,6 +169,23 @@ def test_fully_masked_rows_give_zero_and_neg_inf():
     assert (dk[2] == 0).all() and (dv[2] == 0).all()
 
 
+def test_rows_no_strip_computes_are_zero_and_neg_inf():
+    # Query rows 0..15 see no key: their whole rows of 8×8 tiles are empty, so no strip covers
+    # them and the output (allocated uninitialised) must still give 0 and −inf there.
+    n = 40
+    allowed = torch.rand(n, n, generator=torch.Generator().manual_seed(2)) > 0.5
+    allowed[:16] = False
+    m = masks.from_tensor(allowed)
+    q, k, v = make_qkv(B=1, H=2, Nq=n, D=4, dtype=torch.float64)
+    plan = qkv.plan.make_plan(q, k, v, mask=m)
+    assert fused_mod.schedule(plan, 8, 8, FUSED.fused).uncovered.tolist() == list(range(16))
+    for _ in range(2):  # the second call reuses the cached schedule (and maybe freed memory)
+        out, lse = qkv.attention(q, k, v, mask=m, backend=FUSED, return_lse=True)
+        assert (out[:, :, :16] == 0).all() and torch.isneginf(lse[:, :, :16]).all()
+    ref = qkv.attention(q, k, v, mask=m.dense4(n, n), backend="reference")
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
 def test_lse_gradient_is_exact(monkeypatch):
     # The op has no lse gradient; the loop's backward, which the fused path runs, has.
     q, k, v = make_qkv(B=1, H=4, Hkv=2, Nq=30, D=4, dtype=torch.float64, requires_grad=True)

@@ -26,9 +26,10 @@ runs every key of its `k`. So this module hands it only the keys each group of q
    rows and a width bucket (rounded up by at most 1/8) and are gathered with `index_select`
    (the copy also folds batch into heads: `(strips, B·H, rows, D)` against
    `(strips, B·Hkv, width, D)`); padded columns are masked out. Groups are cut into batches
-   within `budget` bytes (4 MiB: measured on 2 cores at N=16384, Longformer's forward took
-   ~250 ms with batches of 2-4 MiB and 360-570 ms with 6-32 MiB, the band ~170 ms either
-   way); each batch is ONE call of the fused op. Masks are built per tile:
+   within `budget` bytes of what they allocate (gathered copies, the op's output, the mask;
+   4 MiB: measured on 2 cores at N=16384, Longformer's forward took ~245 ms with batches of
+   2-4 MiB and 280-320 ms with 16-64 MiB, BigBird's was fastest at 4 MiB); each batch is ONE
+   call of the fused op. Masks are built per tile:
    FULL tiles are 0 with no arithmetic, the rule is evaluated only on PARTIAL tiles (all of a
    batch at once, as `(P, 1|H, rows, block_k)` blocks), and when every strip of a batch has the
    same mask (a band) one `(1, 1|H, rows, width)` mask is broadcast (stride 0) over the strips;
@@ -199,7 +200,9 @@ class _Schedule:
         self.kept_fraction = float((kinds != EMPTY).float().mean()) if kinds.numel() else 0.0
         groups: dict[tuple, list] = {}
         singles = []
+        covered = torch.zeros(nq, dtype=torch.bool)
         for s in strips(kinds, block_q, block_k, nq, nk, max(cfg.rows, block_q), nk, cfg.waste):
+            covered[s.start : s.stop] = True
             merged: list[tuple[int, int]] = []
             for r in s.runs:  # runs are cut at max_cols = Nk: only gaps separate them
                 if merged and merged[-1][1] == r.start:
@@ -217,23 +220,27 @@ class _Schedule:
                 groups.setdefault((s.stop - s.start, _bucket(width, 16), False), []).append(item)
         self.batches: list[_Batch] = []
         for (n_rows, width, contiguous), items in groups.items():
-            per = max(1, cfg.budget // self._strip_bytes(n_rows, width))
+            per = max(1, cfg.budget // self._strip_bytes(n_rows, width, contiguous))
             runs = _progressions(items) if contiguous else [items]
             for run in runs:
                 for i in range(0, len(run), per):
                     self.batches.append(self._batch(run[i : i + per], n_rows, width, contiguous))
         for item in singles:
             self.batches.append(self._batch([item], item[1] - item[0], item[3], False))
+        self.uncovered = (~covered).nonzero().view(-1)  # query rows no strip computes
         self._masks: dict[tuple, tuple] = {}  # (batch, b, dtype) -> (mask, empty rows)
         self.mask_bytes = 0
 
-    def _strip_bytes(self, n_rows: int, width: int) -> int:
+    def _strip_bytes(self, n_rows: int, width: int, views: bool) -> int:
+        """Bytes one strip of a batch allocates: the op's output rows and the additive mask
+        with its bool, plus gathered copies of q (rows) and k, v (window) unless the batch
+        reads them as strided views."""
         p = self.plan
         elt = torch.empty((), dtype=p.dtype).element_size()
         bh, bhkv = p.batch * p.heads, p.batch * p.kv_heads
         mask_heads = p.heads if p.mask_rule is not None and p.mask_rule.heads else 1
-        # q and out (rows), k and v (window), the additive mask and its bool
-        tensors = 2 * n_rows * bh * p.head_dim + 2 * width * bhkv * p.head_dim
+        rows, window = n_rows * bh * p.head_dim, width * bhkv * p.head_dim
+        tensors = rows if views else 2 * rows + 2 * window
         return elt * tensors + (elt + 1) * n_rows * width * mask_heads
 
     def _batch(self, items, n_rows: int, width: int, contiguous: bool) -> _Batch:
@@ -413,8 +420,10 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _forward(plan: AttentionPlan, sched: _Schedule, q, k, v):
     B, H, Nq, Dv = plan.batch, plan.heads, plan.q_len, plan.v_dim
     lse_dtype = torch.float64 if plan.dtype == torch.float64 else torch.float32
-    out = torch.zeros(B, H, Nq, Dv, dtype=plan.dtype)  # rows no strip covers stay 0
-    lse = torch.full((B, H, Nq), -torch.inf, dtype=lse_dtype)
+    out = torch.empty(B, H, Nq, Dv, dtype=plan.dtype)  # every row is written once:
+    lse = torch.empty(B, H, Nq, dtype=lse_dtype)
+    out[:, :, sched.uncovered] = 0  # by no strip (every tile empty): 0 and −inf,
+    lse[:, :, sched.uncovered] = -torch.inf
     for b in _batch_elements(plan):
         qt, kt, vt = (_rows(t, b) for t in (q, k, v))
         out_t, lse_t = _rows(out, b), _rows(lse.unsqueeze(-1), b)
@@ -430,7 +439,7 @@ def _forward(plan: AttentionPlan, sched: _Schedule, q, k, v):
             )
             if empty is not None:
                 lse_b = lse_b.masked_fill(empty, -torch.inf)
-            _put(out_t, batch.rows, o)
+            _put(out_t, batch.rows, o)  # or by the strip that computes it
             _put(lse_t, batch.rows, lse_b.unsqueeze(-1))
     return out, lse
 
