@@ -44,7 +44,9 @@ PATTERNS = {
     "padding": lambda n: masks.padding([n, n // 3]),
     "key_mask": lambda n: masks.key_mask(_valid(n)),
     "and-not": lambda n: masks.causal() & ~masks.sliding_window(2),
-    "from_tensor": lambda n: masks.from_tensor(torch.rand(n, n) > 0.5),
+    "from_tensor": lambda n: masks.from_tensor(
+        torch.rand(n, n, generator=torch.Generator().manual_seed(0)) > 0.5
+    ),
     "varlen": lambda n: masks.varlen(torch.tensor([0, n // 2, n]), torch.tensor([0, n // 2, n])),
 }
 

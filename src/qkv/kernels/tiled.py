@@ -284,7 +284,24 @@ def _backward(
     params = plan.score_mod.params if plan.score_mod is not None else ()
     dparams = [torch.zeros_like(t) for t in params]
 
-    for strip in T.backward_strips():
+    strips = T.backward_strips()
+    # Every run's products land in three buffers reused from run to run: allocating them per
+    # run hands glibc a fresh mapping each time, and every fresh page costs a fault.
+    s_max = max(
+        (G * (r.stop - r.start) * (st.stop - st.start) for st in strips for r in st.runs), default=0
+    )
+    o_max = max(
+        (max(G * (r.stop - r.start), st.stop - st.start) for st in strips for r in st.runs),
+        default=0,
+    )
+    s_buf, dp_buf = (torch.empty(B * Hkv * s_max, dtype=cdt, device=q.device) for _ in "sd")
+    o_buf = torch.empty(B * Hkv * o_max * max(D, Dv), dtype=cdt, device=q.device)
+
+    def product(a: torch.Tensor, b: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        shape = (*a.shape[:-1], b.shape[-1])
+        return torch.matmul(a, b, out=buf[: math.prod(shape)].view(shape))
+
+    for strip in strips:
         j0, j1 = strip.start, strip.stop
         k_t, v_t = kc[:, :, j0:j1], vc[:, :, j0:j1]  # (B, Hkv, w, D), (B, Hkv, w, Dv)
         dk_t, dv_t = dk[:, :, j0:j1], dv[:, :, j0:j1]
@@ -293,19 +310,19 @@ def _backward(
             n = i1 - i0
             q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
             do_t = do5[:, :, :, i0:i1].reshape(B, Hkv, G * n, Dv)
-            s = (q_t @ k_t.transpose(-1, -2)).mul_(T.q_scale)  # (B, Hkv, G*n, w)
+            s = product(q_t, k_t.transpose(-1, -2), s_buf).mul_(T.q_scale)  # (B, Hkv, G*n, w)
             _, graph = T.scores(
                 s, i0, i1, j0, j1, [(a, b, j0, j1) for a, b in run.partial], track=True
             )
             s.sub_(lse2[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1))
             p = T.exp_(s.sub_(lse_lo[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)))  # P, exact
-            dp = do_t @ v_t.transpose(-1, -2)  # dP of the (dropped) weights
+            dp = product(do_t, v_t.transpose(-1, -2), dp_buf)  # dP of the (dropped) weights
             if plan.dropout_p > 0:
                 keep = T.keep(i0, i1, j0, j1).reshape(B, Hkv, G * n, j1 - j0)
-                dv_t.add_((p * keep * ks).transpose(-1, -2) @ do_t)
+                dv_t.add_(product((p * keep * ks).transpose(-1, -2), do_t, o_buf))
                 dp.mul_(keep).mul_(ks)
             else:
-                dv_t.add_(p.transpose(-1, -2) @ do_t)
+                dv_t.add_(product(p.transpose(-1, -2), do_t, o_buf))
             ds = dp.sub_(Di[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)).mul_(p)  # dS, natural
             if graph is not None:  # back through the score modifier, into its parameters too
                 x, y = graph
@@ -314,8 +331,8 @@ def _backward(
                 for acc_g, g in zip(dparams, grads[1:], strict=True):
                     if g is not None:
                         acc_g.add_(g)
-            dq[:, :, :, i0:i1].add_((ds @ k_t).view(B, Hkv, G, n, D))
-            dk_t.add_(ds.transpose(-1, -2) @ q_t)
+            dq[:, :, :, i0:i1].add_(product(ds, k_t, o_buf).view(B, Hkv, G, n, D))
+            dk_t.add_(product(ds.transpose(-1, -2), q_t, o_buf))
     dq = dq.mul_(plan.scale).reshape(B, plan.heads, Nq, D)  # in place: no second O(N·d) copy
     dk = dk.mul_(plan.scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
