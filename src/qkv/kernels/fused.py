@@ -45,9 +45,10 @@ Semantics fixed up around the op: a row with no allowed key gets out 0 (the op g
 −inf (the op gives 0). Masks that depend on the batch element (padding, key_mask) or on the head
 when B > 1 run one batch element at a time, so the mask is never repeated B times.
 
-Backward: `_FusedStrips` (an autograd Function) saves q, k, v, out and lse only (O(N·d)) and
-runs the tiled kernel's own backward (`loop_backward`, FlashAttention-2's recomputation from the
-saved lse), which is exact under the error-ratio rule of DESIGN.md §3 and, measured, faster. The
+Backward: this module has none. The tiled backend's autograd Function runs `forward` here,
+saves q, k, v, out and lse only (O(N·d)) and runs its own backward (FlashAttention-2's
+recomputation from the saved lse), which is exact under the error-ratio rule of DESIGN.md §3
+and, measured, faster than the op's. The
 op's own backward (`aten._scaled_dot_product_flash_attention_for_cpu_backward`) is not used: in
 fp32 it breaks that rule on small masked problems (dQ up to ~4× the fp32 reference's error, dV
 up to ~6×), and run in fp64 to be exact it was ~2.9× slower than the loop for forward+backward.
@@ -63,7 +64,6 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -187,7 +187,7 @@ def _progressions(items: list) -> list[list]:
     return runs
 
 
-class _Schedule:
+class Schedule:
     """Strips of a plan grouped into batched calls, and their masks: built once per
     (Mask, shapes, settings) and kept in a small cache (`_CACHE`), like FlexAttention's
     BlockMask, so that a training loop pays for them once."""
@@ -313,11 +313,11 @@ class _Schedule:
         return result
 
 
-_CACHE: OrderedDict[tuple, tuple[weakref.ref, _Schedule]] = OrderedDict()
+_CACHE: OrderedDict[tuple, tuple[weakref.ref, Schedule]] = OrderedDict()
 _CACHE_SIZE = 8  # schedules kept (least recently used dropped first)
 
 
-def schedule(plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips) -> _Schedule:
+def schedule(plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips) -> Schedule:
     """The cached schedule of (plan's Mask object, shapes, dtype, tiles, settings)."""
     rule = plan.mask_rule
     key = (
@@ -339,7 +339,7 @@ def schedule(plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips) 
     if hit is not None and hit[0]() is rule:  # the same Mask, not a new one at a reused id
         _CACHE.move_to_end(key)
         return hit[1]
-    sched = _Schedule(plan, block_q, block_k, cfg)
+    sched = Schedule(plan, block_q, block_k, cfg)
     _CACHE[key] = (weakref.ref(rule), sched)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -447,7 +447,9 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, -torch.inf)
 
 
-def _forward(plan: AttentionPlan, sched: _Schedule, q, k, v):
+def forward(plan: AttentionPlan, sched: Schedule, q, k, v):
+    """`(out (B, H, Nq, Dv), lse (B, H, Nq))` of a plan `reason` accepted (no autograd: the
+    tiled backend's autograd Function calls this and runs its own backward)."""
     B, H, Nq, Dv = plan.batch, plan.heads, plan.q_len, plan.v_dim
     lse_dtype = torch.float64 if plan.dtype == torch.float64 else torch.float32
     out = torch.empty(B, H, Nq, Dv, dtype=plan.dtype)  # every row is written once:
@@ -505,44 +507,3 @@ def _put(dst: torch.Tensor, sel: Sel, src: torch.Tensor) -> None:
         dst[sel] = _from_op(src)
     else:
         dst.index_copy_(0, sel, _from_op(src))
-
-
-# ------------------------------------------------------------------------------- autograd
-
-
-class _FusedStrips(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan, sched, loop_backward):  # type: ignore[override]
-        out, lse = _forward(plan, sched, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.loop_backward = loop_backward
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):  # type: ignore[override]
-        if dout is None and dlse is None:
-            return None, None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.loop_backward(q, k, v, out, lse, dout, dlse)
-        return dq, dk, dv, None, None, None
-
-
-LoopBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def attention(
-    plan: AttentionPlan,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_q: int,
-    block_k: int,
-    cfg: FusedStrips,
-    loop_backward: LoopBackward,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(out (B, H, Nq, Dv), lse (B, H, Nq))` of a plan `reason` accepted, on the layout of
-    `block_q × block_k` tiles. `loop_backward(q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`
-    is the tiled kernel's exact backward, which the gradient runs (dout or dlse may be None)."""
-    sched = schedule(plan, block_q, block_k, cfg)
-    return _FusedStrips.apply(q, k, v, plan, sched, loop_backward)

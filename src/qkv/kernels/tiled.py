@@ -28,6 +28,7 @@ avoids rounding the scores through two unit conversions.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -82,11 +83,19 @@ def kernel_units(scale: float, unit: float, dtype: torch.dtype) -> tuple[float, 
 
 
 class _Tiles:
-    """Per-call state shared by the forward and backward loops."""
+    """Per-call state shared by the forward and backward loops. `sched`: the fused-strips
+    schedule when the forward runs on torch's fused op (`fused.py`), None for the loop."""
 
-    def __init__(self, plan: AttentionPlan, q: torch.Tensor, backend: TiledBackend):
+    def __init__(
+        self,
+        plan: AttentionPlan,
+        q: torch.Tensor,
+        backend: TiledBackend,
+        sched: fused_mod.Schedule | None = None,
+    ):
         self.plan = plan
         self.backend = backend
+        self.sched = sched
         self.cdt = plan.compute_dtype
         self.device = q.device
         self.mask5 = _heads5(plan.mask, plan)
@@ -101,13 +110,17 @@ class _Tiles:
             self.rule_b = self.bh5 // plan.heads if rule.batch else zero
             self.rule_h = self.bh5 % plan.heads if rule.heads else zero
         self.b5, self.h5 = self.bh5 // plan.heads, self.bh5 % plan.heads  # for score_mod
-        self.kinds = tile_kinds(plan, backend.block_q, backend.block_k)
         # Units of the scores: log2 (fast exp2) unless a score modifier wants natural units.
         natural = plan.score_mod is not None
         self.unit = 1.0 if natural else LOG2E
         self.q_scale, self.lse_unit = kernel_units(plan.scale, self.unit, self.cdt)
         self.exp_ = torch.Tensor.exp_ if natural else torch.Tensor.exp2_
         self.exp = torch.exp if natural else torch.exp2
+
+    @functools.cached_property
+    def kinds(self) -> torch.Tensor:
+        """The layout's tile kinds (computed when a loop first needs them)."""
+        return tile_kinds(self.plan, self.backend.block_q, self.backend.block_k)
 
     def forward_strips(self) -> list[Strip]:
         """Rows of query tiles with their runs of keys."""
@@ -341,7 +354,10 @@ def _backward(
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, tiles, *params):  # type: ignore[override]
-        out, lse = _forward(tiles, q, k, v)
+        if tiles.sched is not None:
+            out, lse = fused_mod.forward(tiles.plan, tiles.sched, q, k, v)
+        else:
+            out, lse = _forward(tiles, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.tiles = tiles
         ctx.set_materialize_grads(False)
@@ -422,15 +438,9 @@ class TiledBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        if self.fused_reason(plan, q, k, v) is None:
-
-            def loop_backward(q, k, v, out, lse, dout, dlse):
-                return _backward(_Tiles(plan, q, self), q, k, v, out, lse, dout, dlse)[:3]
-
-            out, lse = fused_mod.attention(
-                plan, q, k, v, self.block_q, self.block_k, self.fused, loop_backward
-            )
-            return out, lse, None
+        sched = None
+        if self.fused_reason(plan, q, k, v) is None:  # the forward on the fused op
+            sched = fused_mod.schedule(plan, self.block_q, self.block_k, self.fused)
         params = plan.score_mod.params if plan.score_mod is not None else ()
-        out, lse = _TiledAttention.apply(q, k, v, _Tiles(plan, q, self), *params)
+        out, lse = _TiledAttention.apply(q, k, v, _Tiles(plan, q, self, sched), *params)
         return out, lse, None
