@@ -7,6 +7,7 @@ out = qkv.attention(q, k, v, mask=qkv.masks.sliding_window(256))   # block-spars
 """
 
 from . import kernels, masks, reference, scores
+from .cache import cache_info, clear_caches
 from .dispatch import Decision
 from .functional import attention, dispatch
 from .masks import Mask
@@ -24,6 +25,8 @@ __all__ = [
     "__version__",
     "attention",
     "attention_varlen",
+    "cache_info",
+    "clear_caches",
     "dispatch",
     "kernels",
     "masks",

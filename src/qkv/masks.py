@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache import CACHE
+
 # rule(b, h, q, kv, n_k) -> bool tensor; b, h, q, kv broadcastable int64 tensors, n_k = Nk.
 Rule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 # bounds(b, h, q_lo, q_hi, k_lo, k_hi, n_k) -> (maybe_any, surely_all); inclusive position ranges.
@@ -563,42 +565,71 @@ def bigbird(window: int, n_global: int, n_random: int, block: int, seed: int = 0
     """BigBird (Zaheer et al. 2020) at block granularity: with blocks of `block` positions, query
     block i attends key blocks j with |i − j| ≤ window, the first `n_global` blocks attend and
     are attended everywhere, and each query block attends `n_random` random key blocks (a
-    function of `seed` and i)."""
+    function of `seed` and i).
+
+    Memory is O(blocks · n_random): the random picks are kept (in qkv's bounded cache), never
+    an n_blocks² table."""
     window, n_global = _int("window", window, 0), _int("n_global", n_global, 0)
     n_random, block = _int("n_random", n_random, 0), _int("block", block, 1)
     seed = _int("seed", seed, 0)
-    cache: dict[int, torch.Tensor] = {}
 
-    def table(n: int) -> torch.Tensor:
-        """Allowed (query block, key block) pairs for a sequence of n positions."""
-        if n not in cache:
-            nb = max(1, -(-n // block))
-            i = torch.arange(nb).view(-1, 1)
-            j = torch.arange(nb).view(1, -1)
-            allowed = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
-            if n_random:
-                g = torch.Generator().manual_seed(seed)
-                picks = torch.rand(nb, nb, generator=g).argsort(-1)[:, :n_random]
-                allowed[torch.arange(nb).view(-1, 1), picks] = True
-            cache[n] = allowed
-        return cache[n]
+    def picks(n: int) -> torch.Tensor:
+        """`(nb, n_random)` int64: the random key blocks of each query block, for n positions."""
+        nb = max(1, -(-n // block))
+        r = min(n_random, nb)
+
+        def build() -> torch.Tensor:
+            g = torch.Generator().manual_seed(seed)
+            rows = max(1, 2**22 // nb)  # draw a few MB of uniforms at a time
+            parts = [
+                torch.rand(min(rows, nb - i), nb, generator=g).topk(r, largest=False).indices
+                for i in range(0, nb, rows)
+            ]
+            return torch.cat(parts).sort(-1).values
+
+        return CACHE.get(("bigbird-picks", seed, nb, r), build)
 
     def rule(b, h, q, kv, n):
-        t = table(n).to(q.device)
-        return t[q // block, kv // block]
+        i, j = q // block, kv // block
+        allowed = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
+        if n_random:
+            p = picks(n).to(q.device)
+            i_, j_ = torch.broadcast_tensors(i, j)
+            rows = p[i_.clamp(max=p.shape[0] - 1)]  # (..., n_random)
+            for t in range(rows.shape[-1]):  # one comparison per pick: no (..., R) temporary
+                allowed = allowed | (rows[..., t] == j_)
+        return allowed
 
     def check(nq, nk):
         _queries_within_keys("bigbird", nq, nk)
 
+    def blocks_allowed(i, j, p):
+        ok = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
+        if p is not None:
+            ok = ok | (p[i.clamp(max=p.shape[0] - 1)] == j.unsqueeze(-1)).any(-1)
+        return ok
+
     def bounds(b, h, ql, qh, kl, kh, n):
-        t = table(n).to(torch.int64)
-        csum = torch.nn.functional.pad(t.cumsum(0).cumsum(1), (1, 0, 1, 0))  # 2-D prefix sums
-        r0, r1 = ql // block, qh // block + 1
-        c0, c1 = kl // block, kh // block + 1
-        shape = torch.broadcast_shapes(r0.shape, c0.shape)
-        r0, r1, c0, c1 = (x.expand(shape) for x in (r0, r1, c0, c1))
-        count = csum[r1, c1] - csum[r0, c1] - csum[r1, c0] + csum[r0, c0]
-        return count > 0, count == (r1 - r0) * (c1 - c0)
+        i0, i1, j0, j1 = ql // block, qh // block, kl // block, kh // block  # inclusive
+        p = picks(n) if n_random else None
+        if int((i1 - i0).max()) + 1 <= 8 and int((j1 - j0).max()) + 1 <= 8:
+            # few block pairs per rectangle (tiles of about a block): enumerate them, exact
+            shape = torch.broadcast_shapes(i0.shape, i1.shape, j0.shape, j1.shape)
+            any_ = torch.zeros(shape, dtype=torch.bool)
+            all_ = torch.ones(shape, dtype=torch.bool)
+            for di in range(int((i1 - i0).max()) + 1):
+                for dj in range(int((j1 - j0).max()) + 1):
+                    i, j = (i0 + di).expand(shape), (j0 + dj).expand(shape)
+                    inside = (i <= i1) & (j <= j1)
+                    ok = blocks_allowed(i, j, p)
+                    any_ |= inside & ok
+                    all_ &= ~inside | ok
+            return any_, all_
+        any_ = (j0 <= i1 + window) & (j1 >= i0 - window) | (i0 < n_global) | (j0 < n_global)
+        all_ = (j0 >= i1 - window) & (j1 <= i0 + window) | (i1 < n_global) | (j1 < n_global)
+        if p is not None:  # a random pick inside makes it non-empty (full: left to the rule)
+            any_ = any_ | _picks_in(p, i0, i1, j0, j1)
+        return any_, all_
 
     return Mask(
         rule=rule,
@@ -607,6 +638,23 @@ def bigbird(window: int, n_global: int, n_random: int, block: int, seed: int = 0
         f"block={block}, seed={seed})",
         check=check,
     )
+
+
+def _picks_in(picks: torch.Tensor, i0, i1, j0, j1) -> torch.Tensor:
+    """Whether any row r in [i0, i1] of `picks (nb, R)` (sorted rows) holds a value in [j0, j1];
+    the ranges are broadcastable int64 tensors of block indices."""
+    shape = torch.broadcast_shapes(i0.shape, i1.shape, j0.shape, j1.shape)
+    i0, i1, j0, j1 = (x.expand(shape).reshape(-1) for x in (i0, i1, j0, j1))
+    nb = picks.shape[0]
+    i0, i1 = i0.clamp(0, nb - 1), i1.clamp(0, nb - 1)
+    out = torch.zeros(i0.shape, dtype=torch.bool)
+    span = int((i1 - i0).max()) + 1 if i0.numel() else 0
+    for d in range(span):  # rows of the rectangles, one offset at a time
+        r = (i0 + d).clamp(max=nb - 1)
+        live = (i0 + d) <= i1
+        row = picks[r]  # (M, R)
+        out |= live & ((row >= j0.unsqueeze(-1)) & (row <= j1.unsqueeze(-1))).any(-1)
+    return out.view(shape)
 
 
 def from_tensor(mask: torch.Tensor) -> Mask:
