@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import qkv
+from qkv import masks
+from qkv.kernels.fused import FusedStrips
 
 from .helpers import assert_error_ratio, golden, make_qkv
 
@@ -125,3 +127,84 @@ def test_low_precision_returns_input_dtype_and_fp32_lse(be, dtype):
     _, lse_gold = qkv.attention(*(t.double() for t in (q, k, v)), return_lse=True)
     # lse is accumulated in fp32: it must be far closer to the golden than dtype rounding.
     assert (lse.double() - lse_gold).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("nk", [1, 2, 8, 15, 16, 40])
+def test_nan_in_a_query_row_reaches_that_row_on_every_backend(backend, nk):
+    # torch's CPU SDPA kernel returned zeros for this row when Nk < 16 (auto picked it).
+    q, k, v = make_qkv(B=1, H=1, Nq=8, Nk=nk, D=8)
+    q[0, 0, 0, 0] = float("nan")
+    out = qkv.attention(q, k, v, backend=backend)
+    assert torch.isnan(out[0, 0, 0]).all()
+    assert torch.isfinite(out[0, 0, 1:]).all()
+
+
+@pytest.mark.parametrize("width", [4, 8, 16])
+def test_nan_in_a_query_row_reaches_it_through_narrow_fused_strips(width):
+    # Documents of `width` tokens on tiles of that size: FULL strips that see < 16 keys, which
+    # torch's fused op (the tiled backend's fast forward) answered with zeros.
+    fused = qkv.kernels.TiledBackend(width, width, fused=FusedStrips(rows=16))
+    q, k, v = make_qkv(B=1, H=2, Nq=48, D=8)
+    q[0, 0, 9, 0] = float("nan")
+    m = masks.document([width] * (48 // width))
+    with torch.no_grad():
+        out = qkv.attention(q, k, v, mask=m, backend=fused)
+    assert torch.isnan(out[0, 0, 9]).all()
+    assert int(torch.isnan(out).sum()) == 8  # only that row
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+def test_garbage_key_hidden_by_a_float_minus_inf_does_not_leak(backend, garbage):
+    # NaN + (−inf) is NaN: a float mask's −inf must exclude the pair whatever its score.
+    q, k, v = make_qkv(B=2, H=2, Nq=13, Nk=21, D=8)
+    bias = torch.randn(1, 2, 13, 21, generator=torch.Generator().manual_seed(4))
+    bias[..., 6] = -torch.inf  # key 6 hidden from every row
+    k_bad = k.clone()
+    k_bad[:, :, 6] = garbage
+    if backend == "sdpa":
+        with pytest.raises(NotImplementedError, match="NaN/inf"):
+            qkv.attention(q, k_bad, v, mask=bias, backend=backend)
+        return
+    out = qkv.attention(q, k_bad, v, mask=bias, backend=backend)
+    ref = qkv.attention(q, k, v, mask=bias, backend="reference")
+    assert_error_ratio(out, ref, golden(q, k, v, mask=bias))
+
+
+@pytest.mark.parametrize("be", ["tiled", qkv.kernels.TiledBackend(4, 8)], ids=str)
+def test_garbage_key_hidden_by_a_float_mask_keeps_gradients_finite(be):
+    q, k, v = make_qkv(B=1, H=2, Nq=13, Nk=21, D=8, requires_grad=True)
+    bias = torch.zeros(13, 21)
+    bias[:, 6] = -torch.inf
+    k_bad = k.detach().clone()
+    k_bad[:, :, 6] = float("nan")
+    k_bad.requires_grad_()
+    out = qkv.attention(q, k_bad, v, mask=bias, backend=be)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k_bad, v))
+    assert torch.isfinite(dq).all() and torch.isfinite(dv).all()
+    assert torch.isfinite(dk[:, :, [i for i in range(21) if i != 6]]).all()
+
+
+@pytest.mark.parametrize("nq,nk", [(8191, 8192), (40, 4096), (9, 5)])
+def test_causal_with_nq_not_nk_never_builds_an_nq_by_nk_mask(monkeypatch, nq, nk):
+    # auto handed torch SDPA a dense Nq×Nk bool mask for bottom-right causality (+337 MB at
+    # Nq = 8191, Nk = 8192). Record every mask that reaches torch's SDPA.
+    import torch.nn.functional as F
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    q, k, v = (torch.randn(1, 1, n, 4) for n in (nq, nk, nk))
+    decision = qkv.dispatch(q, k, v, causal=True)
+    with torch.no_grad():
+        out = qkv.attention(q, k, v, causal=True)
+    assert all(m is None for m in seen), [tuple(m.shape) for m in seen if m is not None]
+    if nq < nk:
+        assert decision.name != "sdpa" and "bottom-right" in decision.reasons["sdpa"]
+    if nq <= 64:  # small enough to check against the formula
+        ref = qkv.attention(q, k, v, causal=True, backend="reference")
+        assert_error_ratio(out, ref, golden(q, k, v, causal=True))

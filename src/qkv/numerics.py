@@ -1,4 +1,5 @@
-"""Small numerical pieces every backend shares: the causal rule and a NaN-safe `P @ V`."""
+"""Small numerical pieces every backend shares: the causal rule, a NaN-safe `P @ V`, and the
+float64 row terms of the backward (a row dot product, two-float splits)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,31 @@ def weighted_values(p: torch.Tensor, v: torch.Tensor, v_finite: bool) -> torch.T
     out = torch.where(n_pos > 0, torch.inf, out)
     out = torch.where(n_neg > 0, -torch.inf, out)
     return torch.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), torch.nan, out)
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int = 8192):
+    """`(a ∘ b).sum(-1)` computed in `dtype`, a few thousand rows at a time (converting
+    whole O(N·d) tensors to float64 at once cost ~15× more, mostly in fresh pages)."""
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    out = torch.empty(a2.shape[0], dtype=dtype, device=a.device)
+    for i in range(0, a2.shape[0], rows):
+        out[i : i + rows] = (a2[i : i + rows].to(dtype) * b2[i : i + rows].to(dtype)).sum(-1)
+    return out.view(a.shape[:-1])
+
+
+def two_float(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(hi, lo)` in `dtype` with hi + lo = x to about twice dtype's precision (x float64;
+    ±inf stays in hi, lo 0)."""
+    hi = x.to(dtype)
+    return hi, torch.nan_to_num(x - hi.to(x.dtype), nan=0.0).to(dtype)
+
+
+def no_double_backward(backend: str) -> None:
+    """Raise, inside a hand-written backward, when autograd asks to differentiate it
+    (`create_graph=True`: gradient penalties, `gradgradcheck`)."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"backend={backend!r} has a hand-written backward, which cannot itself be "
+            f"differentiated (create_graph=True: double backward, gradient penalties, "
+            f"gradgradcheck); use backend='reference', whose gradient is autograd's"
+        )

@@ -40,6 +40,7 @@ class AttentionPlan:
     dropout_seed: int | None  # seed of the counter-based dropout mask; None when dropout_p == 0
     return_lse: bool  # the caller wants lse
     return_weights: bool  # the caller wants the attention matrix A
+    wants_grad: bool  # autograd will differentiate the result (grad mode, an input requires it)
     input_rank: int  # 2, 3 or 4: the rank the caller used, restored on the way out
     dtype: torch.dtype  # dtype of q, k, v and of the output
     device: torch.device  # device of every tensor in the problem
@@ -200,6 +201,13 @@ def make_plan(
         scale_f = _check_number("scale", scale)
         if not math.isfinite(scale_f) or scale_f <= 0:
             raise ValueError(f"scale must be a finite number > 0, got scale={scale!r}")
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        info = torch.finfo(cdt)
+        if not info.tiny <= scale_f <= info.max:
+            raise ValueError(
+                f"scale={scale!r} is outside the normal range of {cdt}, the dtype scores are "
+                f"computed in ([{info.tiny:.3g}, {info.max:.3g}]): it would round to 0 or inf"
+            )
     p = _check_number("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p={dropout_p!r} is out of range [0, 1)")
@@ -239,6 +247,11 @@ def make_plan(
         dropout_seed=dropout_seed if p > 0 else None,
         return_lse=return_lse,
         return_weights=return_weights,
+        wants_grad=torch.is_grad_enabled()
+        and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (q, k, v, bias, *(score_mod.params if score_mod is not None else ()))
+        ),
         input_rank=q.dim(),
         dtype=q.dtype,
         device=q.device,

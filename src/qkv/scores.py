@@ -140,7 +140,7 @@ def relative_bias(table: torch.Tensor, max_distance: int) -> ScoreMod:
     def fn(score, b, h, q, kv):
         rel = (kv - q).clamp(-M, M) + M
         rows = h if table.shape[0] > 1 else torch.zeros_like(h)
-        return score + table[rows, rel].to(score.dtype)
+        return score + table.to(score.dtype)[rows, rel]
 
     heads = table.shape[0] if table.shape[0] > 1 else None
     name = f"relative_bias(H={table.shape[0]}, max_distance={M})"

@@ -75,9 +75,12 @@ def _count_calls(monkeypatch):
 
 
 def _check(q, k, v, dtype, be=FUSED, **kw):
-    """Forward and q/k/v gradients of `be` against the fp64 golden (dense mask, reference)."""
+    """Forward (with and without autograd: float32 gradients run the loop's forward) and q/k/v
+    gradients of `be` against the fp64 golden (dense mask, reference)."""
     nq, nk = q.shape[-2], k.shape[-2]
     m = kw.pop("mask")
+    with torch.no_grad():
+        out_inference = qkv.attention(q, k, v, mask=m, backend=be, **kw)
     out = qkv.attention(q, k, v, mask=m, backend=be, **kw)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -87,6 +90,7 @@ def _check(q, k, v, dtype, be=FUSED, **kw):
     g64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     gold = qkv.attention(*g64, mask=dense, backend="reference", **kw)
     gold_grads = torch.autograd.grad(gold, g64, dout.double())
+    assert_error_ratio(out_inference, ref, gold)
     assert_error_ratio(out, ref, gold)
     for name, a, r, g in zip("qkv", grads, ref_grads, gold_grads, strict=True):
         assert_error_ratio(a, r, g, factor=3.0, what=f"d{name}")
@@ -100,8 +104,8 @@ def test_pattern_fp32_fused_vs_golden(monkeypatch, name, causal):
     n = 50
     q, k, v = make_qkv(B=2, H=6, Hkv=2, Nq=n, D=8, requires_grad=True)
     _check(q, k, v, torch.float32, mask=PATTERNS[name](n), causal=causal)
-    assert calls["fwd"] > 1 and calls["loop"] == 0  # the fused forward ran
-    assert calls["bwd"] == 1  # and the loop's backward
+    assert calls["fwd"] > 1  # the fused forward ran without autograd,
+    assert calls["loop"] == 1 and calls["bwd"] == 1  # the loop's forward and backward with
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -119,7 +123,7 @@ def test_non_contiguous_gqa_gradients(monkeypatch, dtype):
     for m in (masks.sliding_window(5, 0), PATTERNS["longformer"](40)):
         _, grads = _check(q, k, v, dtype, mask=m)
         assert all(t.abs().sum() > 0 for t in grads)
-    assert calls["fwd"] > 1 and calls["bwd"] == 2 and calls["loop"] == 0
+    assert calls["fwd"] > 1 and calls["bwd"] == 2 and calls["loop"] == 2
 
 
 @pytest.mark.parametrize(
@@ -132,7 +136,7 @@ def test_awkward_sizes_fp64(monkeypatch, name, nq, nk):
     calls = _count_calls(monkeypatch)
     q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=nq, Nk=nk, D=5, dtype=torch.float64, requires_grad=True)
     _check(q, k, v, torch.float64, mask=PATTERNS[name](nk))  # fp64: ≤ 1e-10 of the golden
-    assert calls["loop"] == 0
+    assert calls["loop"] == 1  # the gradient call (the fused forward ran if any tile is kept)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -150,7 +154,7 @@ def test_default_settings_fp32_long_window(monkeypatch):
     q, k, v = make_qkv(B=1, H=2, Nq=n, D=16, requires_grad=True)
     m = masks.sliding_window(100) | masks.global_tokens([3, 400])
     _check(q, k, v, torch.float32, be=TiledBackend(), mask=m)
-    assert calls["loop"] == 0 and calls["fwd"] >= 2
+    assert calls["loop"] == 1 and calls["fwd"] >= 2
 
 
 def test_fully_masked_rows_give_zero_and_neg_inf():
@@ -216,9 +220,9 @@ def test_no_nq_by_nk_tensor(monkeypatch):
     # one strip's window, and all of them together far below N².
     calls = _count_calls(monkeypatch)
     n, w = 2048, 32
-    q, k, v = make_qkv(B=1, H=2, Nq=n, D=8, requires_grad=True)
-    out = qkv.attention(q, k, v, mask=masks.sliding_window(w), backend=TiledBackend())
-    out.sum().backward()
+    q, k, v = make_qkv(B=1, H=2, Nq=n, D=8)
+    with torch.no_grad():
+        qkv.attention(q, k, v, mask=masks.sliding_window(w), backend=TiledBackend())
     assert calls["masks"] and calls["loop"] == 0
     assert max(s[-2] * s[-1] for s in calls["masks"]) <= 128 * (128 + 2 * w + 2 * 64)
     fwd_elems = sum(torch.Size(s).numel() for s in calls["masks"][: calls["fwd"]])
@@ -253,17 +257,23 @@ def test_falls_back_to_the_loop(monkeypatch, kw, why):
     assert calls["fwd"] == 0 and calls["loop"] > 0
 
 
-def test_default_is_fused_forward_and_loop_backward(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_inference_runs_fused_training_runs_the_loop(monkeypatch, dtype):
+    # Training needs what the loop's forward keeps for its backward: a float64 lse (the fused
+    # op's float32 one put float32 gradients beyond the error bound) and the one-hot rows.
     calls = _count_calls(monkeypatch)
-    q, k, v = make_qkv(B=1, H=2, Nq=30, D=4, requires_grad=True)
+    q, k, v = make_qkv(B=1, H=2, Nq=30, D=4, dtype=dtype, requires_grad=True)
     m = masks.sliding_window(5)
     with torch.no_grad():
         qkv.attention(q, k, v, mask=m, backend="tiled")
+        assert TiledBackend().fused_reason(qkv.plan.make_plan(q, k, v, mask=m), q, k, v) is None
     assert calls["fwd"] > 0 and calls["loop"] == 0
+    fwd = calls["fwd"]
     out = qkv.attention(q, k, v, mask=m, backend="tiled")  # a gradient will be taken
-    assert calls["loop"] == 0 and calls["bwd"] == 0
-    assert TiledBackend().fused_reason(qkv.plan.make_plan(q, k, v, mask=m), q, k, v) is None
-    out.sum().backward()
+    assert calls["fwd"] == fwd and calls["loop"] == 1 and calls["bwd"] == 0
+    plan = qkv.plan.make_plan(q, k, v, mask=m)
+    assert "gradients" in TiledBackend().fused_reason(plan, q, k, v)
+    out.float().sum().backward()
     assert calls["bwd"] == 1 and q.grad is not None and q.grad.abs().sum() > 0
 
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.schedule import tile_kinds
-from ..kernels.tiled import LOG2E, TiledBackend, _backward, _Tiles, fold_run, kernel_units
+from ..kernels.tiled import RowStats, TiledBackend, _backward, _Tiles, fold_run
 from ..masks import EMPTY, Mask
-from ..numerics import all_finite
+from ..numerics import all_finite, row_dot
 from ..plan import make_plan
 from .layout import Segment, segments
 
@@ -131,21 +131,19 @@ def _plan(q, k, v, block: Block, mask: Mask | None, scale: float):
 class Softmax:
     """The online-softmax state of this rank's query rows, carried from block to block.
 
-    For every query row: `m`, the largest score seen so far (log2 units, as the tiled kernel
-    keeps them), `l`, the sum of `2^(s − m)` over the keys seen so far, and `acc`, the sum of
-    `2^(s − m) v`. Folding in a block is the tiled kernel's online softmax continued over the
-    block's keys; `lse = m·ln 2 + log l` and `out = acc / l` come out once, at the end. This is
-    the log-sum-exp merge of partial results, held as the pair (m, l) instead of one rounded
-    lse per block: the rescaling factors `2^(m_old − m_new)` are then exact differences of
-    scores, and the merged result is as accurate as the single-process kernel's.
+    For every query row: `m`, the largest score seen so far, `l`, the sum of `exp(s − m)` over
+    the keys seen so far, and `acc`, the sum of `exp(s − m) v`. Folding in a block is the tiled
+    kernel's online softmax continued over the block's keys; `lse = m + log l` and
+    `out = acc / l` come out once, at the end. This is the log-sum-exp merge of partial
+    results, held as the pair (m, l) instead of one rounded lse per block: the rescaling
+    factors `exp(m_old − m_new)` are then exact differences of scores, and the merged result is
+    as accurate as the single-process kernel's.
     """
 
     def __init__(self, B, Hkv, G, n, Dv, dtype, device, scale: float):
         self.m = torch.full((B, Hkv, G, n), -torch.inf, dtype=dtype, device=device)
         self.l = torch.zeros(B, Hkv, G, n, dtype=dtype, device=device)
         self.acc = torch.zeros(B, Hkv, G, n, Dv, dtype=dtype, device=device)
-        self.unit = LOG2E  # no score modifier: the kernel works in log2 units
-        self.q_scale, self.lse_unit = kernel_units(scale, self.unit, dtype)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out `(B, H, n, Dv)`, lse `(B, H, n)`) in the compute dtype; a row that no key
@@ -154,7 +152,7 @@ class Softmax:
         empty = self.l == 0
         l_safe = torch.where(empty, 1.0, self.l)
         out = self.acc / l_safe.unsqueeze(-1)
-        lse = torch.where(empty, -torch.inf, self.m / self.lse_unit + torch.log(l_safe))
+        lse = torch.where(empty, -torch.inf, self.m + torch.log(l_safe))
         return out.view(B, Hkv * G, n, Dv), lse.view(B, Hkv * G, n)
 
 
@@ -174,7 +172,6 @@ def forward(
     back to `state` instead of starting afresh."""
     T = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
     plan = T.plan
-    assert (T.q_scale, T.lse_unit) == (state.q_scale, state.lse_unit)
     B, Hkv, G, D, Dv = plan.batch, plan.kv_heads, plan.groups, plan.head_dim, plan.v_dim
     qs = q.reshape(B, Hkv, G, plan.q_len, D)  # (B, Hkv, G, n, D)
     v_finite = all_finite(v)
@@ -210,7 +207,12 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's contributions (dq, dk, dv), given the merged out/lse of its query rows."""
     tiles = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
-    dq, dk, dv, _ = _backward(tiles, q, k, v, out, lse, dout, dlse)
+    # D_i over the row's keys on every rank: rowsum(dO ∘ O) of the merged output
+    delta = row_dot(out.new_zeros(out.shape) if dout is None else dout, out, torch.float64)
+    if dlse is not None:
+        delta = delta - dlse.double()
+    stats = RowStats.from_lse(lse, tiles.cdt)
+    dq, dk, dv, _ = _backward(tiles, q, k, v, stats, dout, None, delta=delta)
     return dq, dk, dv
 
 

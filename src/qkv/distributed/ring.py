@@ -41,6 +41,7 @@ import torch
 
 from ..kernels.tiled import TiledBackend
 from ..masks import Mask
+from ..numerics import no_double_backward
 from ..plan import from_4d, to_4d
 from . import _blocks, _comm
 from ._problem import Problem, validate
@@ -177,6 +178,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
+        no_double_backward("ring_attention")
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.cfg, q, k, v, out, lse, dout, dlse)
         return dq, dk, dv, None

@@ -35,9 +35,9 @@ runs every key of its `k`. So this module hands it only the keys each group of q
    same mask (a band) one `(1, 1|H, rows, width)` mask is broadcast (stride 0) over the strips;
    a batch whose tiles are all FULL and unpadded passes no mask. The op wants an additive mask
    of the query's dtype (it rejects a bool one).
-   The schedule and its masks are cached per (Mask object, shapes, dtype, tiles, settings) in a
-   small LRU (`_CACHE`, 8 entries, masks within `mask_cache` bytes each), like FlexAttention's
-   BlockMask: a training loop that reuses its Mask builds them once.
+   The schedule and its masks (within `mask_cache` bytes) are kept in qkv's cache
+   (`qkv.cache`: bounded in bytes, held against the Mask weakly, clearable), like
+   FlexAttention's BlockMask: a training loop that reuses its Mask builds them once.
 4. **Wide strips** (window wider than `wide` keys: the rows of a global token, a dense prefix)
    run alone; a contiguous window is passed as a view of k/v (no copy).
 
@@ -62,18 +62,21 @@ causal attention go to SDPA already).
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from ..cache import CACHE
 from ..masks import EMPTY
 from ..numerics import all_finite, causal_allowed
 from ..plan import AttentionPlan
 from .schedule import strips, tile_kinds
 
 _OPS = torch.ops.aten
+# torch's op loses a NaN of q when it sees fewer than 16 keys and no mask (measured, torch
+# 2.13): narrower windows are padded to 16 keys with masked-out columns.
+NARROW = 16
 _FWD_NAME = "_scaled_dot_product_flash_attention_for_cpu"
 
 
@@ -189,11 +192,12 @@ def _progressions(items: list) -> list[list]:
 
 class Schedule:
     """Strips of a plan grouped into batched calls, and their masks: built once per
-    (Mask, shapes, settings) and kept in a small cache (`_CACHE`), like FlexAttention's
-    BlockMask, so that a training loop pays for them once."""
+    (Mask, shapes, settings) and kept in qkv's cache (`qkv.cache`), like FlexAttention's
+    BlockMask, so that a training loop pays for them once. It holds no reference to the plan
+    or its Mask (the cache holds the Mask weakly and drops the schedule with it)."""
 
     def __init__(self, plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips):
-        self.plan, self.cfg = plan, cfg
+        self.cfg = cfg
         self.block_k = block_k
         nq, nk = plan.q_len, plan.kv_len
         kinds = tile_kinds(plan, block_q, block_k)
@@ -214,13 +218,13 @@ class Schedule:
             item = (s.start, s.stop, merged, width, partial)
             if width > cfg.wide:
                 singles.append(item)
-            elif len(merged) == 1:  # one contiguous window: exact width, strided views
+            elif len(merged) == 1 and width >= NARROW:  # one window: exact width, views
                 groups.setdefault((s.stop - s.start, width, True), []).append(item)
             else:
                 groups.setdefault((s.stop - s.start, _bucket(width, 16), False), []).append(item)
         self.batches: list[_Batch] = []
         for (n_rows, width, contiguous), items in groups.items():
-            per = max(1, cfg.budget // self._strip_bytes(n_rows, width, contiguous))
+            per = max(1, cfg.budget // self._strip_bytes(plan, n_rows, width, contiguous))
             runs = _progressions(items) if contiguous else [items]
             for run in runs:
                 for i in range(0, len(run), per):
@@ -228,14 +232,21 @@ class Schedule:
         for item in singles:
             self.batches.append(self._batch([item], item[1] - item[0], item[3], False))
         self.uncovered = (~covered).nonzero().view(-1)  # query rows no strip computes
-        self._masks: dict[tuple, tuple] = {}  # (batch, b, dtype) -> (mask, empty rows)
+        self._masks: dict[tuple, tuple] = {}  # (batch, b) -> (mask, empty rows)
         self.mask_bytes = 0
+        # Masks are built now, while they fit in cfg.mask_cache; the rest at every call.
+        for i, b in itertools.product(range(len(self.batches)), _batch_elements(plan)):
+            result = self._build_mask(i, b, plan)
+            size = sum(t.numel() * t.element_size() for t in result if t is not None)
+            if self.mask_bytes + size > cfg.mask_cache:
+                break
+            self._masks[(i, b)] = result
+            self.mask_bytes += size
 
-    def _strip_bytes(self, n_rows: int, width: int, views: bool) -> int:
+    def _strip_bytes(self, p: AttentionPlan, n_rows: int, width: int, views: bool) -> int:
         """Bytes one strip of a batch allocates: the op's output rows and the additive mask
         with its bool, plus gathered copies of q (rows) and k, v (window) unless the batch
         reads them as strided views."""
-        p = self.plan
         elt = torch.empty((), dtype=p.dtype).element_size()
         bh, bhkv = p.batch * p.heads, p.batch * p.kv_heads
         mask_heads = p.heads if p.mask_rule is not None and p.mask_rule.heads else 1
@@ -292,36 +303,27 @@ class Schedule:
             full=not tiles and not padded,
         )
 
-    def mask(self, i: int, b: int | None, dtype: torch.dtype):
+    def mask(self, i: int, b: int | None, plan: AttentionPlan):
         """Additive mask `(n|1, 1|H, R, W)` of batch i (None: all FULL) and its bool empty rows
-        `(n|1, 1|H, R)` (None: none). Cached while within the settings' `mask_cache` bytes."""
+        `(n|1, 1|H, R)` (None: none), in the plan's dtype: those built with the schedule
+        (within the settings' `mask_cache` bytes), the others built now."""
+        hit = self._masks.get((i, b))
+        return hit if hit is not None else self._build_mask(i, b, plan)
+
+    def _build_mask(self, i: int, b: int | None, plan: AttentionPlan):
         batch = self.batches[i]
         if batch.full:
             return None, None
-        key = (i, b, dtype)
-        hit = self._masks.get(key)
-        if hit is not None:
-            return hit
-        allowed = _allowed(self.plan, batch, b, self.block_k)
+        allowed = _allowed(plan, batch, b, self.block_k)
         empty = ~allowed.any(-1)
-        mask = _additive(allowed, dtype)
-        result = (mask, empty if bool(empty.any()) else None)
-        size = mask.numel() * mask.element_size() + empty.numel()
-        if self.mask_bytes + size <= self.cfg.mask_cache:
-            self._masks[key] = result
-            self.mask_bytes += size
-        return result
-
-
-_CACHE: OrderedDict[tuple, tuple[weakref.ref, Schedule]] = OrderedDict()
-_CACHE_SIZE = 8  # schedules kept (least recently used dropped first)
+        return _additive(allowed, plan.dtype), (empty if bool(empty.any()) else None)
 
 
 def schedule(plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips) -> Schedule:
-    """The cached schedule of (plan's Mask object, shapes, dtype, tiles, settings)."""
-    rule = plan.mask_rule
+    """The schedule of (plan's Mask object, shapes, dtype, tiles, settings), from qkv's cache
+    (held against the Mask weakly: dropping the Mask drops it)."""
     key = (
-        id(rule),
+        "fused-schedule",
         plan.batch,
         plan.heads,
         plan.kv_heads,
@@ -335,15 +337,7 @@ def schedule(plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips) 
         block_k,
         cfg,
     )
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is rule:  # the same Mask, not a new one at a reused id
-        _CACHE.move_to_end(key)
-        return hit[1]
-    sched = Schedule(plan, block_q, block_k, cfg)
-    _CACHE[key] = (weakref.ref(rule), sched)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return sched
+    return CACHE.get(key, lambda: Schedule(plan, block_q, block_k, cfg), owner=plan.mask_rule)
 
 
 # ------------------------------------------------------------------------------ the pieces
@@ -465,7 +459,7 @@ def forward(plan: AttentionPlan, sched: Schedule, q, k, v):
         out_t, lse_t = _rows(out, b), _rows(lse.unsqueeze(-1), b)
         for i, batch in enumerate(sched.batches):
             n = batch.r0.numel()
-            mask, empty = sched.mask(i, b, plan.dtype)
+            mask, empty = sched.mask(i, b, plan)
             ws.used = 0
             o, lse_b = fused_forward_op(
                 _take(qt, batch.rows, n, ws),

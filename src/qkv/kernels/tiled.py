@@ -2,12 +2,12 @@
 
 Forward, for one tile of queries Q_i at a time, over key/value tiles K_j, V_j::
 
-    S   = Q_i K_jᵀ · scale · log2(e)            one (block_q × block_k) tile of scores
+    S   = Q_i K_jᵀ · scale                      one (block_q × block_k) tile of scores
     m'  = max(m, rowmax(S))                      running row max
-    P   = 2^(S − m')                             unnormalised probabilities of this tile
-    l   = l · 2^(m − m') + rowsum(P)             running softmax denominator
-    acc = acc · 2^(m − m') + P V_j               rescaled accumulator
-    out = acc / l,  lse = (m + log2 l) · ln 2    at the end of the row of tiles
+    P   = exp(S − m')                            unnormalised probabilities of this tile
+    l   = l · exp(m − m') + rowsum(P)            running softmax denominator
+    acc = acc · exp(m − m') + P V_j              rescaled accumulator
+    out = acc / l,  lse = m + log l              at the end of the row of tiles
 
 Only one tile of scores exists at a time, so memory is O(N·d + block_q·block_k) per head. The
 backward recomputes P from the saved lse instead of storing A (FlashAttention-2, Algorithm 2)::
@@ -20,21 +20,30 @@ query heads share their key/value tile without copying it (the group is folded i
 Which tiles run is decided by `schedule.py`: tiles that the causal flag, a structured
 `qkv.masks.Mask` or a bool mask empty are never computed, tiles they leave whole skip the mask
 arithmetic, and kept tiles are grouped into runs so that each matmul spans many tiles.
-Base-2 exponentials are used because `exp2` is about three times faster than `exp` on the CPU:
-scores are kept in log2 units (q is pre-scaled by scale · log2 e). With a score modifier, which
-is written for natural units, the kernel stays in natural units and uses `exp` instead, which
-avoids rounding the scores through two unit conversions.
+
+Scores are rounded exactly as the reference rounds them (`(Q Kᵀ)·scale`, natural units); the
+exponentials are `exp2((S − m)·log2 e)`, about three times faster than `exp` on the CPU, with
+the unit conversion applied to the difference S − m, which is small where P matters (scaling
+S itself would add a rounding proportional to |S|: measured 1.4× over the error rule on
+large scores with D = 1).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..dropout import keep_mask, keep_scale
-from ..numerics import all_finite, causal_allowed, weighted_values
+from ..numerics import (
+    all_finite,
+    causal_allowed,
+    no_double_backward,
+    two_float,
+    weighted_values,
+)
 from ..plan import AttentionPlan
 from . import fused as fused_mod
 from .base import Result
@@ -42,7 +51,6 @@ from .fused import FusedStrips
 from .schedule import Strip, strips, tile_kinds
 
 LOG2E = 1.0 / math.log(2.0)
-LN2 = math.log(2.0)
 
 BLOCK_Q = 64  # query rows per tile of the layout (per head)
 BLOCK_K = 64  # keys per tile of the layout
@@ -65,21 +73,6 @@ def _tile(t: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
     rows = slice(i0, i1) if t.shape[-2] > 1 else slice(None)
     cols = slice(j0, j1) if t.shape[-1] > 1 else slice(None)
     return t[..., rows, cols]
-
-
-def kernel_units(scale: float, unit: float, dtype: torch.dtype) -> tuple[float, float]:
-    """`(q_scale, lse_unit)`: q is multiplied by `q_scale = scale · unit` (a Python float, which
-    the multiplication rounds to `dtype`), and an lse converts between natural units and the
-    kernel's by `lse_unit = fl(scale · unit) / fl(scale)`, the factor that rounding really
-    applied. The reference and torch's SDPA kernels scale the scores by fl(scale), so an lse
-    one of them computed (the fused path's) matches this kernel's recomputed scores without a
-    systematic error of one rounding of the constant (which broke the error-ratio rule)."""
-    q_scale = scale * unit
-
-    def rounded(x: float) -> float:
-        return torch.tensor(x, dtype=dtype).item()
-
-    return q_scale, rounded(q_scale) / rounded(scale)
 
 
 class _Tiles:
@@ -109,13 +102,12 @@ class _Tiles:
         if rule is not None:
             self.rule_b = self.bh5 // plan.heads if rule.batch else zero
             self.rule_h = self.bh5 % plan.heads if rule.heads else zero
-        self.b5, self.h5 = self.bh5 // plan.heads, self.bh5 % plan.heads  # for score_mod
-        # Units of the scores: log2 (fast exp2) unless a score modifier wants natural units.
-        natural = plan.score_mod is not None
-        self.unit = 1.0 if natural else LOG2E
-        self.q_scale, self.lse_unit = kernel_units(plan.scale, self.unit, self.cdt)
-        self.exp_ = torch.Tensor.exp_ if natural else torch.Tensor.exp2_
-        self.exp = torch.exp if natural else torch.exp2
+        # For a score modifier: b (B, 1, 1, 1, 1) and h (1, Hkv, G, 1, 1), broadcast like the
+        # reference's, so a bias gathered by head is not repeated over the batch.
+        self.b5 = torch.arange(plan.batch, device=q.device).view(plan.batch, 1, 1, 1, 1)
+        self.h5 = torch.arange(plan.heads, device=q.device).view(
+            1, plan.kv_heads, plan.groups, 1, 1
+        )
 
     @functools.cached_property
     def kinds(self) -> torch.Tensor:
@@ -142,19 +134,22 @@ class _Tiles:
         partial: list[tuple[int, int, int, int]],
         track: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Turn raw scores `s (B, Hkv, G*n, w)` (log2 units, rows i0:i1, keys j0:j1) into what
+        """Turn scaled scores `s (B, Hkv, G*n, w)` (rows i0:i1, keys j0:j1) into what
         the softmax sees, in place: add the bias, apply the score modifier, then mask only the
         `partial` rectangles (absolute row0, row1, col0, col1).
 
         Returns the 5-D view `(B, Hkv, G, n, w)` and, when `track` and a modifier is set, its
-        input x (a leaf, natural units) and output y for the backward's `autograd.grad`."""
+        input x (a leaf) and output y for the backward's `autograd.grad`. The modifier runs in
+        float64 (forward and backward alike): a learnable table's gradient sums dS over every
+        pair of a run, which float32 did not sum within 3× of the reference's error."""
         p = self.plan
         s5 = s.view(p.batch, p.kv_heads, p.groups, i1 - i0, j1 - j0)
-        if self.bias5 is not None:
-            s5.add_(_tile(self.bias5, i0, i1, j0, j1).to(self.cdt), alpha=self.unit)
+        if self.bias5 is not None:  # a −inf excludes the pair, whatever its score (even NaN)
+            bias = _tile(self.bias5, i0, i1, j0, j1)
+            s5.add_(bias.to(self.cdt)).masked_fill_(torch.isneginf(bias), -torch.inf)
         graph = None
         if p.score_mod is not None:
-            x = s5.clone()  # natural units here: Q Kᵀ · scale + bias
+            x = s5.to(torch.float64, copy=True)  # Q Kᵀ · scale + bias
             rows = torch.arange(i0, i1, device=self.device).unsqueeze(1) + p.causal_offset
             cols = torch.arange(j0, j1, device=self.device)
             with torch.set_grad_enabled(track):
@@ -205,31 +200,51 @@ def fold_run(
     v_finite: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step of the online softmax: fold the run of kept key tiles `run` into the running
-    max `m`, denominator `l` and numerator `acc` of query rows i0:i1 (`q_t`, scaled into the
-    kernel's units, `(B, Hkv, G·n, D)`); `m = l = acc = None` means nothing yet. Returns the new
-    `(m, l, acc)`; `l` and `acc` are updated in place when given. The distributed ring folds
-    the blocks arriving from other ranks with the same step."""
+    max `m`, denominator `l` and numerator `acc` of query rows i0:i1 (`q_t (B, Hkv, G·n, D)`);
+    `m = l = acc = None` means nothing yet. Returns the new `(m, l, acc)`; `l` and `acc` are
+    updated in place when given. The distributed ring folds the blocks arriving from other
+    ranks with the same step."""
     plan = T.plan
     j0, j1 = run.start, run.stop
-    s = (q_t @ k[:, :, j0:j1].transpose(-1, -2)).mul_(T.q_scale)  # (B, Hkv, G*n, w), kernel units
+    s = (q_t @ k[:, :, j0:j1].transpose(-1, -2)).mul_(plan.scale)  # (B, Hkv, G*n, w)
     s5, _ = T.scores(s, i0, i1, j0, j1, [(i0, i1, a, b) for a, b in run.partial])
     m_run = s.amax(dim=-1, keepdim=True)
     m_new = m_run if m is None else torch.maximum(m, m_run)
-    m_use = m_new.clamp(min=torch.finfo(s.dtype).min)  # a row masked so far: 2^(−inf) = 0
-    T.exp_(s.sub_(m_use))  # s is now P, the unnormalised probabilities of the run
+    m_use = m_new.clamp(min=torch.finfo(s.dtype).min)  # a row masked so far: exp(−inf) = 0
+    s.sub_(m_use).mul_(LOG2E).exp2_()  # s is now P, the unnormalised probabilities of the run
     l_run = s.sum(dim=-1, keepdim=True)
     if plan.dropout_p > 0:
         s5.mul_(T.keep(i0, i1, j0, j1)).mul_(keep_scale(plan.dropout_p))
     pv = weighted_values(s, v[:, :, j0:j1], v_finite)
     if m is None:
         return m_new, l_run, pv
-    alpha = T.exp(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
+    alpha = torch.exp(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
     return m_new, l.mul_(alpha).add_(l_run), acc.mul_(alpha).add_(pv)
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """What the backward needs of the forward's softmax, per query row `(B, H, Nq)`:
+    P = exp(S − hi − lo) / l. The loop's forward gives its running max (hi, in the compute
+    dtype) and denominator l, so that P is normalised exactly as its output was (and as the
+    reference normalises: a one-key row gets P = 1/l = 1); a caller with only an lse (the
+    distributed ring) gives it as a two-float (hi, lo) and no l."""
+
+    hi: torch.Tensor  # +inf for a row that sees nothing (P = 0)
+    lo: torch.Tensor | None
+    l: torch.Tensor | None  # None: 1
+
+    @staticmethod
+    def from_lse(lse: torch.Tensor, dtype: torch.dtype) -> RowStats:
+        hi, lo = two_float(lse.double(), dtype)
+        return RowStats(torch.where(torch.isneginf(hi), torch.inf, hi), lo, None)
 
 
 def _forward(
     T: _Tiles, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, RowStats]:
+    """`(out (B, H, Nq, Dv), lse (B, H, Nq), RowStats)`: lse (float32, or float64 for float64
+    inputs) is m + log l, formed in float64."""
     plan = T.plan
     B, Hkv, G, Nq = plan.batch, plan.kv_heads, plan.groups, plan.q_len
     D, Dv = plan.head_dim, plan.v_dim
@@ -241,6 +256,8 @@ def _forward(
     # Rows that no strip covers (every tile empty) keep output 0 and lse −inf.
     out = torch.zeros(B, Hkv, G, Nq, Dv, dtype=plan.dtype, device=q.device)
     lse = torch.full((B, Hkv, G, Nq), -torch.inf, dtype=lse_dtype, device=q.device)
+    row_max = torch.full((B, Hkv, G, Nq), torch.inf, dtype=cdt, device=q.device)
+    row_sum = torch.ones((B, Hkv, G, Nq), dtype=cdt, device=q.device)
     for strip in T.forward_strips():
         i0, i1 = strip.start, strip.stop
         n = i1 - i0
@@ -249,12 +266,31 @@ def _forward(
         for run in strip.runs:
             m, l, acc = fold_run(T, q_t, kc, vc, i0, i1, run, m, l, acc, v_finite)
         empty = l == 0
-        o = acc / torch.where(empty, 1.0, l)
-        out[:, :, :, i0:i1] = o.view(B, Hkv, G, n, Dv)
-        m_nat = m / T.lse_unit
-        row_lse = torch.where(empty, -torch.inf, m_nat + torch.log(torch.where(empty, 1.0, l)))
+        l_safe = torch.where(empty, 1.0, l)
+        out[:, :, :, i0:i1] = (acc / l_safe).view(B, Hkv, G, n, Dv)
+        row_max[:, :, :, i0:i1] = torch.where(empty, torch.inf, m).view(B, Hkv, G, n)
+        row_sum[:, :, :, i0:i1] = l_safe.view(B, Hkv, G, n)
+        row_lse = torch.where(empty, -torch.inf, m.double() + torch.log(l_safe.double()))
         lse[:, :, :, i0:i1] = row_lse.view(B, Hkv, G, n)
-    return out.view(B, plan.heads, Nq, Dv), lse.view(B, plan.heads, Nq)
+    shape = (B, plan.heads, Nq)
+    stats = RowStats(row_max.view(shape), None, row_sum.view(shape))
+    return out.view(B, plan.heads, Nq, Dv), lse.view(shape), stats
+
+
+STRIP_KEEP = 2**24  # P and dP elements a strip of the backward keeps between its two phases
+
+
+@dataclass(frozen=True)
+class _RowStrip:
+    """A strip of query rows in the backward, as its runs need it."""
+
+    i0: int  # first query row
+    i1: int  # one past the last
+    q_t: torch.Tensor  # (B, Hkv, G·n, D)
+    do_t: torch.Tensor  # (B, Hkv, G·n, Dv)
+    hi: torch.Tensor  # (B, Hkv, G·n, 1): the RowStats of these rows
+    lo: torch.Tensor | None
+    l: torch.Tensor | None
 
 
 def _backward(
@@ -262,15 +298,38 @@ def _backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    stats: RowStats,
     dout: torch.Tensor | None,
     dlse: torch.Tensor | None,
+    delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """FlashAttention-2's backward, over strips of query rows (as the forward) in two phases:
+    recompute P and dP for the strip's kept keys and take D_i = Σ_j P_ij dP_ij from them,
+    then form dS = P ∘ (dP − D_i) and accumulate dQ, dK, dV. P = exp(S − hi − lo) / l from
+    the forward's `RowStats`.
+
+    Precision, for float32 inputs (every product runs in float32):
+    - D_i = Σ_j P_ij dP_ij / Σ_j P_ij, summed from the very P and dP that dS uses (exact
+      products, in float64), not taken as rowsum(dO ∘ O): then dS sums to exactly 0 over a
+      row (−dlse_i with an lse term) and the roundings of dP and of P's normaliser cancel, as
+      they do in the reference's softmax backward. A row whose softmax is nearly one key's
+      loses everything else to that cancellation: its gradients were off by whole roundings
+      of dP (measured 4000× over the rule on a 1-query problem);
+    - P is normalised as the forward normalised its output (its max and l, not a rounded
+      lse), and D_i is subtracted as a two-float (hi + lo);
+    - the dK/dV products of grouped query heads are one product per head, summed, not one dot
+      product G times as long;
+    - rows whose softmax is one key's alone (l = 1: one allowed key, or every other weight
+      underflowed) get P exactly 0/1, as in exact arithmetic (recomputed, P would be
+      1 ± a rounding of the scores), so their dS is exactly what the lse term makes it.
+    `delta (B, H, Nq)` (the distributed ring, whose rows' keys are spread over ranks): D_i
+    given, float64. A strip keeps its P and dP between the phases (up to STRIP_KEEP elements;
+    beyond, it recomputes them)."""
     plan = T.plan
     B, Hkv, G, Nq, Nk = plan.batch, plan.kv_heads, plan.groups, plan.q_len, plan.kv_len
     D, Dv = plan.head_dim, plan.v_dim
     cdt = T.cdt
+    wide = torch.float64
     qs = q.to(cdt).reshape(B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)
     # Garbage in masked-out keys/values must not turn 0-weight gradients into NaN.
@@ -282,72 +341,146 @@ def _backward(
         do5 = torch.zeros(B, Hkv, G, Nq, Dv, dtype=cdt, device=q.device)
     else:
         do5 = dout.to(cdt).reshape(B, Hkv, G, Nq, Dv)
-    # D_i = rowsum(dO ∘ O) − dlse_i  (the lse term: ∂lse_i/∂S_ij = P_ij)
-    Di = (do5 * out.to(cdt).reshape(B, Hkv, G, Nq, Dv)).sum(-1)  # (B, Hkv, G, Nq)
-    if dlse is not None:
-        Di = Di - dlse.to(cdt).reshape(B, Hkv, G, Nq)
-    lse_w = (lse.double() * T.lse_unit).reshape(B, Hkv, G, Nq)
-    lse2 = lse_w.to(cdt)
-    lse_lo = torch.nan_to_num(lse_w - lse2.double(), nan=0.0).to(cdt)
-    lse2 = torch.where(torch.isneginf(lse2), torch.inf, lse2)  # fully masked row: P = 0
-    dq = torch.zeros(B, Hkv, G, Nq, D, dtype=cdt, device=q.device)
+    hi5 = stats.hi.reshape(B, Hkv, G, Nq)
+    lo5 = None if stats.lo is None else stats.lo.reshape(B, Hkv, G, Nq)
+    l5 = None if stats.l is None else stats.l.reshape(B, Hkv, G, Nq)
+    dl5 = None if dlse is None else dlse.to(wide).reshape(B, Hkv, G, Nq)
+    dq = torch.empty(B, Hkv, G, Nq, D, dtype=cdt, device=q.device)
     dk = torch.zeros(B, Hkv, Nk, D, dtype=cdt, device=q.device)
     dv = torch.zeros(B, Hkv, Nk, Dv, dtype=cdt, device=q.device)
     ks = keep_scale(plan.dropout_p)
     params = plan.score_mod.params if plan.score_mod is not None else ()
-    dparams = [torch.zeros_like(t) for t in params]
+    dparams = [torch.zeros_like(t, dtype=wide) for t in params]
 
-    strips = T.backward_strips()
-    # Every run's products land in three buffers reused from run to run: allocating them per
-    # run hands glibc a fresh mapping each time, and every fresh page costs a fault.
-    s_max = max(
-        (G * (r.stop - r.start) * (st.stop - st.start) for st in strips for r in st.runs), default=0
-    )
-    o_max = max(
-        (max(G * (r.stop - r.start), st.stop - st.start) for st in strips for r in st.runs),
+    strips = T.forward_strips()
+    covered = torch.zeros(Nq, dtype=torch.bool)
+    # P and dP of a strip, and the products, live in buffers reused from strip to strip:
+    # allocating them anew hands glibc fresh mappings, and every fresh page costs a fault.
+    per_strip = [G * (st.stop - st.start) * sum(r.stop - r.start for r in st.runs) for st in strips]
+    longest = max(per_strip, default=0)
+    keep_max = longest if B * Hkv * longest <= STRIP_KEEP else 0
+    run_max = max(
+        (G * (st.stop - st.start) * (r.stop - r.start) for st in strips for r in st.runs),
         default=0,
     )
-    s_buf, dp_buf = (torch.empty(B * Hkv * s_max, dtype=cdt, device=q.device) for _ in "sd")
+    ws = max(keep_max, run_max)
+    p_buf, dp_buf = (torch.empty(B * Hkv * ws, dtype=cdt, device=q.device) for _ in "pd")
+    o_max = max((G * max(st.stop - st.start, r.stop - r.start) for st in strips for r in st.runs),
+                default=0)  # fmt: skip
     o_buf = torch.empty(B * Hkv * o_max * max(D, Dv), dtype=cdt, device=q.device)
+    w_buf = torch.empty(0 if delta is not None else 2 * B * Hkv * run_max, dtype=wide)
 
-    def product(a: torch.Tensor, b: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    def row_sums(p: torch.Tensor, dp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ_j p_ij, Σ_j p_ij dp_ij), `(…, 1)` each, the products exact, summed in float64."""
+        a = w_buf[: p.numel()].view(p.shape).copy_(p)
+        b = w_buf[p.numel() : 2 * p.numel()].view(p.shape).copy_(dp)
+        return a.sum(-1, keepdim=True), a.mul_(b).sum(-1, keepdim=True)
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         shape = (*a.shape[:-1], b.shape[-1])
-        return torch.matmul(a, b, out=buf[: math.prod(shape)].view(shape))
+        return torch.matmul(a, b, out=o_buf[: math.prod(shape)].view(shape))
 
-    for strip in strips:
-        j0, j1 = strip.start, strip.stop
-        k_t, v_t = kc[:, :, j0:j1], vc[:, :, j0:j1]  # (B, Hkv, w, D), (B, Hkv, w, Dv)
-        dk_t, dv_t = dk[:, :, j0:j1], dv[:, :, j0:j1]
-        for run in strip.runs:
-            i0, i1 = run.start, run.stop
-            n = i1 - i0
-            q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
-            do_t = do5[:, :, :, i0:i1].reshape(B, Hkv, G * n, Dv)
-            s = product(q_t, k_t.transpose(-1, -2), s_buf).mul_(T.q_scale)  # (B, Hkv, G*n, w)
-            _, graph = T.scores(
-                s, i0, i1, j0, j1, [(a, b, j0, j1) for a, b in run.partial], track=True
-            )
-            s.sub_(lse2[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1))
-            p = T.exp_(s.sub_(lse_lo[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)))  # P, exact
-            dp = product(do_t, v_t.transpose(-1, -2), dp_buf)  # dP of the (dropped) weights
-            if plan.dropout_p > 0:
-                keep = T.keep(i0, i1, j0, j1).reshape(B, Hkv, G * n, j1 - j0)
-                dv_t.add_(product((p * keep * ks).transpose(-1, -2), do_t, o_buf))
-                dp.mul_(keep).mul_(ks)
-            else:
-                dv_t.add_(product(p.transpose(-1, -2), do_t, o_buf))
-            ds = dp.sub_(Di[:, :, :, i0:i1].reshape(B, Hkv, G * n, 1)).mul_(p)  # dS, natural
+    def key_side(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
+        """`aᵀ b` for a `(B, Hkv, G·n, w)`, b `(B, Hkv, G·n, X)` → `(B, Hkv, w, X)`: one
+        product per query head of the group, then summed over the group (as the reference's
+        broadcast does), not one dot product G·n long."""
+        if G == 1:
+            return product(a.transpose(-1, -2), b)
+        a5 = a.view(B, Hkv, G, n, a.shape[-1]).transpose(-1, -2)
+        return product(a5, b.view(B, Hkv, G, n, b.shape[-1])).sum(2)
+
+    def probs(rs: _RowStrip, run, at: int):
+        """(P, dP of the dropped weights, the dropout keep-mask or None, the score modifier's
+        graph or None) of one run of a strip's rows, into the buffers at offset `at`."""
+        i0, i1, j0, j1 = rs.i0, rs.i1, run.start, run.stop
+        shape = (B, Hkv, rs.q_t.shape[2], j1 - j0)
+        size = math.prod(shape)
+        s = torch.matmul(
+            rs.q_t, kc[:, :, j0:j1].transpose(-1, -2), out=p_buf[at : at + size].view(shape)
+        ).mul_(plan.scale)
+        _, graph = T.scores(s, i0, i1, j0, j1, [(i0, i1, a, b) for a, b in run.partial], True)
+        p = s.sub_(rs.hi)
+        if rs.lo is not None:
+            p.sub_(rs.lo)
+        p.mul_(LOG2E).exp2_()
+        if rs.l is not None:
+            p.div_(rs.l)
+            torch.where(rs.l == 1, p.round(), p, out=p)  # one-hot rows: P exactly 0 or 1
+        dp = torch.matmul(
+            rs.do_t, vc[:, :, j0:j1].transpose(-1, -2), out=dp_buf[at : at + size].view(shape)
+        )
+        keep = None
+        if plan.dropout_p > 0:
+            keep = T.keep(i0, i1, j0, j1).reshape(shape)
+            dp.mul_(keep).mul_(ks)
+        return p, dp, keep, graph
+
+    for strip, size in zip(strips, per_strip, strict=True):
+        i0, i1 = strip.start, strip.stop
+        n = i1 - i0
+        covered[i0:i1] = True
+        rows = (B, Hkv, G * n, 1)
+        q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
+        do_t = do5[:, :, :, i0:i1].reshape(B, Hkv, G * n, Dv)
+        rs = _RowStrip(
+            i0,
+            i1,
+            q_t,
+            do_t,
+            hi5[:, :, :, i0:i1].reshape(rows),
+            None if lo5 is None else lo5[:, :, :, i0:i1].reshape(rows),
+            None if l5 is None else l5[:, :, :, i0:i1].reshape(rows),
+        )
+        keep_all = B * Hkv * size <= STRIP_KEEP
+
+        # Phase 1: D_i = Σ_j P_ij dP_ij (− dlse_i), from the P and dP phase 2 uses.
+        kept = []
+        if delta is not None:
+            d_row = delta.reshape(B, Hkv, G, Nq)[:, :, :, i0:i1].reshape(rows).to(wide)
+        else:
+            p_sum = torch.zeros(rows, dtype=wide, device=q.device)
+            d_row = torch.zeros(rows, dtype=wide, device=q.device)
+            at = 0
+            for run in strip.runs:
+                p, dp, keep, graph = probs(rs, run, at if keep_all else 0)
+                sp, spd = row_sums(p, dp)
+                p_sum += sp
+                d_row += spd
+                if keep_all:
+                    kept.append((p, dp, keep, graph))
+                    at += p.numel()
+            # Σ_j P_ij is 1 up to rounding (of l, of P): dividing by it makes Σ_j dS_ij exactly
+            # −dlse_i·Σ_j P_ij, so dP − D_i never carries 1 − Σ_j P_ij, which is all a peaked
+            # row's gradient is made of.
+            d_row /= torch.where(p_sum > 0, p_sum, 1.0)
+            if dl5 is not None:
+                d_row -= dl5[:, :, :, i0:i1].reshape(rows)
+        d_hi, d_lo = two_float(d_row, cdt)
+
+        # Phase 2: dS = P ∘ (dP − D_i), and the three gradients.
+        dq_t = torch.zeros(B, Hkv, G * n, D, dtype=wide, device=q.device)
+        for r, run in enumerate(strip.runs):
+            j0, j1 = run.start, run.stop
+            p, dp, keep, graph = kept[r] if kept else probs(rs, run, 0)
+            k_t = kc[:, :, j0:j1]
+            dv[:, :, j0:j1].add_(key_side(p if keep is None else p * keep * ks, do_t, n))
+            ds = dp.sub_(d_hi).sub_(d_lo).mul_(p)
             if graph is not None:  # back through the score modifier, into its parameters too
                 x, y = graph
-                grads = torch.autograd.grad(y, (x, *params), ds.view_as(y), allow_unused=True)
-                ds = grads[0].reshape(ds.shape)
+                grads = torch.autograd.grad(
+                    y, (x, *params), ds.view(y.shape).to(y.dtype), allow_unused=True
+                )
+                ds = ds.copy_(grads[0].view(ds.shape))
                 for acc_g, g in zip(dparams, grads[1:], strict=True):
                     if g is not None:
                         acc_g.add_(g)
-            dq[:, :, :, i0:i1].add_(product(ds, k_t, o_buf).view(B, Hkv, G, n, D))
-            dk_t.add_(product(ds.transpose(-1, -2), q_t, o_buf))
+            dq_t.add_(product(ds, k_t))
+            dk[:, :, j0:j1].add_(key_side(ds, q_t, n))
+        dq[:, :, :, i0:i1] = dq_t.view(B, Hkv, G, n, D)
+    dq[:, :, :, ~covered] = 0  # rows with no kept tile
     dq = dq.mul_(plan.scale).reshape(B, plan.heads, Nq, D)  # in place: no second O(N·d) copy
     dk = dk.mul_(plan.scale)
+    dparams = [g.to(t.dtype) for g, t in zip(dparams, params, strict=True)]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
 
 
@@ -356,17 +489,19 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, tiles, *params):  # type: ignore[override]
         if tiles.sched is not None:
             out, lse = fused_mod.forward(tiles.plan, tiles.sched, q, k, v)
+            stats = RowStats.from_lse(lse, tiles.cdt)
         else:
-            out, lse = _forward(tiles, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+            out, lse, stats = _forward(tiles, q, k, v)
+        ctx.save_for_backward(q, k, v, stats.hi, stats.lo, stats.l)
         ctx.tiles = tiles
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, dparams = _backward(ctx.tiles, q, k, v, out, lse, dout, dlse)
+        no_double_backward("tiled")
+        q, k, v, hi, lo, l = ctx.saved_tensors
+        dq, dk, dv, dparams = _backward(ctx.tiles, q, k, v, RowStats(hi, lo, l), dout, dlse)
         return dq, dk, dv, None, *dparams
 
 
@@ -379,7 +514,8 @@ class TiledBackend:
 
     `fused`: for a structured `qkv.masks.Mask` on the CPU, run the forward's kept tiles through
     torch's fused C++ flash kernel, batched over strips of queries (`fused.py`); the gradient
-    is this kernel's own backward either way. `True` (the default) or a `FusedStrips` with its
+    is this kernel's own backward, which needs the loop's forward: the fused path runs when
+    no gradient will be taken (see `fused_reason`). `True` (the default) or a `FusedStrips` with its
     knobs turns it on, `False` off. Plans the fused op cannot compute exactly (dropout, score
     modifiers, tensor masks, …) run the loop either way."""
 
@@ -424,6 +560,12 @@ class TiledBackend:
         """None when `forward` takes the fused-strips path, else why it runs the loop."""
         if self.fused is None:
             return "fused=False"
+        if plan.wants_grad:
+            return (
+                "gradients: the loop's forward keeps what its backward needs (a float64 lse and "
+                "the rows whose softmax is one-hot); the fused op's float32 lse put float32 "
+                "gradients beyond the error bound"
+            )
         return fused_mod.reason(plan, q, k, v)
 
     def why_not(

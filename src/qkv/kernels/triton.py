@@ -34,24 +34,22 @@ On CPU tensors it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, set b
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import sys
-import weakref
 from dataclasses import dataclass
 
 import torch
 
+from ..cache import CACHE
 from ..dropout import keep_scale
 from ..masks import EMPTY, FULL, PARTIAL, Mask, causal, classify, tile_grid
-from ..numerics import all_finite
+from ..numerics import all_finite, no_double_backward, row_dot, two_float
 from ..plan import AttentionPlan
 from .base import Result
 
 INSTALL_HINT = "pip install 'qkv[triton]' (or pip install triton)"
 MAX_HEAD_DIM = 256
 BANK_CHUNK = 2048  # partial tiles evaluated per call of the mask rule (bounds host memory)
-_LOG2E = 1.0 / math.log(2.0)
 
 
 def triton_available() -> bool:
@@ -278,27 +276,14 @@ def build_layout(plan: AttentionPlan, bm: int, bn: int, device: torch.device) ->
     )
 
 
-_RULE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PLAIN_CACHE: dict = {}
-_PLAIN_CACHE_SIZE = 64
-
-
 def layout_for(plan: AttentionPlan, bm: int, bn: int, device: torch.device) -> Layout:
-    """`build_layout`, cached: per Mask object for structured masks (a rule is a fixed function),
-    by shape for plain/causal problems; never for bool mask tensors (their content may change)."""
+    """`build_layout`, from qkv's cache: per Mask object (held weakly) for structured masks, by
+    shape for plain/causal problems; never for bool mask tensors (their content may change)."""
     if plan.mask is not None:
         return build_layout(plan, bm, bn, device)
-    key = (plan.q_len, plan.kv_len, bm, bn, plan.causal, str(device), plan.batch, plan.heads)
-    if plan.mask_rule is not None:
-        per_rule = _RULE_CACHE.setdefault(plan.mask_rule, {})
-        if key not in per_rule:
-            per_rule[key] = build_layout(plan, bm, bn, device)
-        return per_rule[key]
-    if key not in _PLAIN_CACHE:
-        if len(_PLAIN_CACHE) >= _PLAIN_CACHE_SIZE:
-            _PLAIN_CACHE.pop(next(iter(_PLAIN_CACHE)))
-        _PLAIN_CACHE[key] = build_layout(plan, bm, bn, device)
-    return _PLAIN_CACHE[key]
+    key = ("triton-layout", plan.q_len, plan.kv_len, bm, bn, plan.causal, str(device))
+    key += (plan.batch, plan.heads)
+    return CACHE.get(key, lambda: build_layout(plan, bm, bn, device), owner=plan.mask_rule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,7 +383,6 @@ class _Call:
             DV_PAD=self.dv_pad,
             CAUSAL=plan.causal,
             HAS_BIAS=self.bias is not None,
-            NATURAL=spec is not None,
             ALIBI=spec.alibi if spec is not None else 0,
             REL_POS=spec.rel if spec is not None else 0,
             SOFTCAP=spec is not None and spec.cap is not None,
@@ -431,29 +415,33 @@ class _Call:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(out, lse float32, lse float64)`: the kernel stores each row's max m and sum l; lse
+        = m + log l is formed here in float64, and the backward subtracts that as a two-float."""
         plan, K = self.plan, _kernels()
         B, H, Nq, Nk = plan.batch, plan.heads, plan.q_len, plan.kv_len
         out = torch.zeros(B, H, Nq, plan.v_dim, dtype=plan.dtype, device=q.device)
-        lse = torch.full((B, H, Nq), -torch.inf, dtype=torch.float32, device=q.device)
-        if out.numel() == 0 or Nk == 0:
-            return out, lse
-        layout = self.fwd_layout
-        bm, bn = layout.block_m, layout.block_n
-        common, meta = self._common()
-        grid = (triton_cdiv(Nq, bm), B * H)
-        K._attn_fwd[grid](
-            q, k, v, out, lse,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            *common,
-            *self._layout_args(layout, layout.fwd),
-            *self._tail(),
-            H, plan.groups, Nq, Nk, Nk - Nq, plan.scale, plan.scale * _LOG2E,
-            BLOCK_M=bm, BLOCK_N=bn, HAS_BANK=layout.bank is not None,
-            num_warps=self.config.fwd_warps, num_stages=self.config.stages,
-            **meta,
-        )  # fmt: skip
-        return out, lse
+        m = torch.full((B, H, Nq), -torch.inf, dtype=torch.float32, device=q.device)
+        l = torch.zeros((B, H, Nq), dtype=torch.float32, device=q.device)
+        if out.numel() and Nk:
+            layout = self.fwd_layout
+            bm, bn = layout.block_m, layout.block_n
+            common, meta = self._common()
+            grid = (triton_cdiv(Nq, bm), B * H)
+            K._attn_fwd[grid](
+                q, k, v, out, m, l,
+                *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                *common,
+                *self._layout_args(layout, layout.fwd),
+                *self._tail(),
+                H, plan.groups, Nq, Nk, Nk - Nq, plan.scale,
+                BLOCK_M=bm, BLOCK_N=bn, HAS_BANK=layout.bank is not None,
+                num_warps=self.config.fwd_warps, num_stages=self.config.stages,
+                **meta,
+            )  # fmt: skip
+        empty = l == 0
+        lse64 = torch.where(empty, -torch.inf, m.double() + torch.log(l.double()))
+        return out, lse64.float(), lse64
 
     def backward(
         self,
@@ -461,7 +449,7 @@ class _Call:
         k: torch.Tensor,
         v: torch.Tensor,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse64: torch.Tensor,
         dout: torch.Tensor | None,
         dlse: torch.Tensor | None,
         want_table_grad: bool,
@@ -476,16 +464,19 @@ class _Call:
             return dq, dk, dv, dtable
         if dout is None:
             dout = torch.zeros_like(out)
-        # Δ_i = rowsum(dO ∘ O) − dlse_i  (∂lse_i/∂S_ij = P_ij)
-        delta = (dout.float() * out.float()).sum(-1)
+        # Δ_i = rowsum(dO ∘ O) − dlse_i  (∂lse_i/∂S_ij = P_ij), in float64; Δ and lse reach
+        # the kernels as two-floats (hi + lo)
+        delta = row_dot(dout, out, torch.float64)
         if dlse is not None:
-            delta = delta - dlse.float()
-        delta = delta.contiguous()
-        lse2 = torch.where(torch.isneginf(lse), torch.inf, lse * _LOG2E).contiguous()
+            delta = delta - dlse.double()
+        d_hi, d_lo = (t.contiguous() for t in two_float(delta, torch.float32))
+        lse_hi, lse_lo = two_float(lse64, torch.float32)
+        lse_hi = torch.where(torch.isneginf(lse_hi), torch.inf, lse_hi).contiguous()
+        lse_lo = lse_lo.contiguous()
         layout = self.bwd_layout
         bm, bn = layout.block_m, layout.block_n
         common, meta = self._common()
-        scalars = [plan.scale, plan.scale * _LOG2E]
+        scalars = [plan.scale]
         launch = dict(
             BLOCK_M=bm,
             BLOCK_N=bn,
@@ -495,7 +486,7 @@ class _Call:
             **meta,
         )
         K._attn_bwd_dkdv[(triton_cdiv(Nk, bn), B * Hkv)](
-            q, k, v, dout, lse2, delta, dk, dv,
+            q, k, v, dout, lse_hi, lse_lo, d_hi, d_lo, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             *common,
             *self._layout_args(layout, layout.bwd),
@@ -504,7 +495,8 @@ class _Call:
             **launch,
         )  # fmt: skip
         K._attn_bwd_dq[(triton_cdiv(Nq, bm), B * H)](
-            q, k, v, dout, lse2, delta, dq, dtable if dtable is not None else self.dummy,
+            q, k, v, dout, lse_hi, lse_lo, d_hi, d_lo, dq,
+            dtable if dtable is not None else self.dummy,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
             *common,
             *self._layout_args(layout, layout.fwd),
@@ -523,8 +515,8 @@ def triton_cdiv(a: int, b: int) -> int:
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call, *params):  # type: ignore[override]
-        out, lse = call.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, lse64 = call.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse64)
         ctx.call = call
         ctx.n_params = len(params)
         ctx.set_materialize_grads(False)
@@ -532,10 +524,11 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        no_double_backward("triton")
+        q, k, v, out, lse64 = ctx.saved_tensors
         call: _Call = ctx.call
         want_table = ctx.n_params > 0 and any(ctx.needs_input_grad[4:])
-        dq, dk, dv, dtable = call.backward(q, k, v, out, lse, dout, dlse, want_table)
+        dq, dk, dv, dtable = call.backward(q, k, v, out, lse64, dout, dlse, want_table)
         dparams = [None] * ctx.n_params
         if dtable is not None:
             dparams[0] = dtable.to(call.spec.table.dtype)
