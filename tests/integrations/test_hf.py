@@ -153,6 +153,26 @@ def test_mask_function_shapes_of_what_it_returns():
     assert m.dtype == torch.bool and m.shape == (B, 1, 1, 8)  # padding only, no N² tensor
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
+def test_mask_for_generate_prebuild_is_a_tensor(padded):
+    # generate() pre-builds the masks of a static cache with create_masks_for_generate and feeds
+    # them back into the model as `attention_mask`, which transformers reads as a tensor
+    # (`.ndim`): there the mask is dense; a model's own forward still gets the sparse Mask.
+    config = _mistral_config(window=4)
+    config._attn_implementation = "qkv"
+    embeds = torch.empty(2, 10, 0)
+    am = padded_ids(97, [10, 7] if padded else [10, 10], 10, side="left")[1]
+    args = dict(config=config, inputs_embeds=embeds, attention_mask=am, cache=None)
+    in_forward = masking_utils.create_sliding_window_causal_mask(**args)
+    prebuilt = masking_utils.create_masks_for_generate(**args)
+    assert isinstance(in_forward, masks.Mask), in_forward
+    assert isinstance(prebuilt, torch.Tensor) and prebuilt.shape == (2, 1, 10, 10)
+    assert torch.equal(prebuilt, in_forward.dense4(10, 10).expand(2, 1, 10, 10))
+    config._attn_implementation = "sdpa"
+    sdpa = masking_utils.create_masks_for_generate(**args)
+    assert torch.equal(prebuilt, sdpa)
+
+
 def test_mask_function_guard_falls_back_to_dense(monkeypatch):
     # A predicate that looks like transformers' sliding-window overlay but means something else
     # (kv ≥ q − w instead of kv > q − w): the spot check catches it and the dense mask is used.

@@ -32,6 +32,7 @@ predicates (`causal_mask_function`, `bidirectional_mask_function`, `sliding_wind
 | bidirectional (BERT), no padding              | `None`                                      |
 | bidirectional + padding                       | bool `(B, 1, 1, Nk)` padding-only mask      |
 | static cache (key slots ahead of the queries) | dense bool `(B, 1, Nq, Nk)`                 |
+| generate()'s pre-build for a static cache     | dense bool `(B, 1, Nq, Nk)`                 |
 | anything else (packed, chunked, custom)       | dense bool `(B, 1, Nq, Nk)` (fallback)      |
 
 A padding-only mask is an O(B·Nk) tensor rather than a `Mask`, so that `qkv.attention`'s
@@ -40,17 +41,26 @@ kernel, which skips the tiles a causal or sliding-window mask leaves empty. qkv'
 bottom-right aligned (query row i has position `i + Nk − Nq`), which is where every dynamic
 cache puts the queries (`q_offset − kv_offset = Nk − Nq`, also when a sliding-window cache has
 dropped old keys). Static caches break that (their key slots run ahead of the queries) and are
-given a dense tensor: `generate()` pre-builds their mask for `torch.compile` and handles it as
-a tensor (`.contiguous()`, `.ndim`), which a `Mask` is not; for decoding it is `(B, 1, 1, Nk)`.
-Each recognised pattern is also checked against `mask_function` itself on a few query rows, and
-a disagreement falls back to the dense mask with a warning.
+given a dense tensor. Each recognised pattern is also checked against `mask_function` itself on
+a few query rows, and a disagreement falls back to the dense mask with a warning.
+
+Who reads the mask. A model's forward hands make_mask's result to its attention layers, that is
+to `attention_forward`, which takes a `Mask`. One caller is different: for a compileable
+(static) cache, generate() pre-builds the masks before each step (`create_masks_for_generate`)
+and passes them back into the model as its `attention_mask` input; the model's `create_*_mask`
+then uses a 4-D tensor as it is and reads `.ndim` of anything else. make_mask's arguments are
+the same in both calls (a static sliding-window cache reports the sizes a dynamic one does), so
+make_mask looks for `create_masks_for_generate` among its callers and there returns the dense
+tensor.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -84,8 +94,11 @@ def register(name: str = NAME) -> str:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     transformers = _import("transformers")
     mu = _import("transformers.masking_utils")
-    transformers.AttentionInterface.register(name, attention_forward)
-    mu.AttentionMaskInterface.register(name, make_mask)
+    for interface, function in (
+        (transformers.AttentionInterface, attention_forward),
+        (mu.AttentionMaskInterface, make_mask),
+    ):
+        interface.register(name, function)
     return name
 
 
@@ -113,58 +126,114 @@ def make_mask(
     Returns None (no mask: the attention layer's `is_causal` decides, as for SDPA), a
     `qkv.masks.Mask`, a bool `(B, 1, 1, Nk)` padding-only mask, or, for patterns it cannot
     express that way, a dense bool `(B, 1, Nq, Nk)` mask.
+    generate()'s pre-build for static caches gets a dense bool mask instead of a `Mask`.
     """
     mu = _import("transformers.masking_utils")
-    if mask_function is None:
-        mask_function = mu.causal_mask_function
-    q_off, kv_off = int(q_offset), int(kv_offset)  # static caches pass a 0-d tensor
+    call = _MaskCall(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mu.causal_mask_function if mask_function is None else mask_function,
+        attention_mask=attention_mask,
+        use_vmap=use_vmap,
+        device=device,
+    )
+    result = _translate(call, mu, allow_is_causal_skip, allow_is_bidirectional_skip)
+    if isinstance(result, Mask) and _prebuilt_for_generate():
+        # generate() hands this mask back to the model as its `attention_mask` input, which
+        # transformers reads as a tensor: the same mask, dense.
+        return call.dense(mu)
+    return result
 
-    def dense() -> torch.Tensor:
-        # The fallback: transformers' own construction, materialised (B, 1, Nq, Nk).
+
+@dataclass(frozen=True)
+class _MaskCall:
+    """What transformers describes to a mask function (the arguments of `sdpa_mask`)."""
+
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: int | torch.Tensor  # position of the first query (a 0-d tensor: static cache)
+    kv_offset: int | torch.Tensor  # position of the first key
+    mask_function: Callable  # transformers' predicate (b, h, q_pos, kv_pos) -> bool
+    attention_mask: torch.Tensor | None  # the 2-D padding mask, True = a real token
+    use_vmap: bool
+    device: torch.device | str
+
+    def dense(self, mu: ModuleType) -> torch.Tensor:
+        """transformers' own construction, materialised: bool `(B, 1, Nq, Nk)`."""
         return mu.sdpa_mask(
-            batch_size=batch_size,
-            q_length=q_length,
-            kv_length=kv_length,
-            q_offset=q_offset,
-            kv_offset=kv_offset,
-            mask_function=mask_function,
-            attention_mask=attention_mask,
-            allow_is_causal_skip=False,
-            allow_is_bidirectional_skip=False,
-            use_vmap=use_vmap,
-            device=device,
+            **vars(self), allow_is_causal_skip=False, allow_is_bidirectional_skip=False
         )
 
+
+# generate()'s hook that pre-builds masks (the generic one in masking_utils, and the methods of
+# that name some models define); what it returns becomes the model's `attention_mask` input.
+_PREBUILD = "create_masks_for_generate"
+_PREBUILD_DEPTH = 16  # frames between make_mask and that hook: a few decorators and mask helpers
+
+
+def _prebuilt_for_generate() -> bool:
+    """Is this call part of generate()'s pre-build of masks for a compileable (static) cache?
+
+    Everywhere else a model hands make_mask's result straight to its attention layers, which
+    call qkv. generate() instead calls `create_masks_for_generate` before each step and feeds
+    the result back into the model as `attention_mask`; the model's `create_*_mask` then passes
+    a 4-D tensor through unchanged and reads `.ndim` of anything else. Nothing in make_mask's
+    arguments tells the two apart (a static sliding-window cache reports the same sizes as a
+    dynamic one), so the caller is looked up on the stack. generate() never compiles the
+    pre-build, so a compiled forward is not one (and is not traced through the stack walk)."""
+    if torch.compiler.is_compiling():
+        return False
+    frame = sys._getframe(2)
+    for _ in range(_PREBUILD_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _PREBUILD:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _translate(
+    call: _MaskCall, mu: ModuleType, allow_is_causal_skip: bool, allow_is_bidirectional_skip: bool
+) -> Mask | torch.Tensor | None:
+    """transformers' description in qkv terms (the table of the module docstring)."""
+    nq, nk, mask_function = call.q_length, call.kv_length, call.mask_function
+    attention_mask, device = call.attention_mask, call.device
     if attention_mask is not None and attention_mask.dim() != 2:
-        return dense()  # not the 2-D padding mask this function is documented to get
+        return call.dense(mu)  # not the 2-D padding mask this function is documented to get
     # transformers' query i has position q_off + i, key j position kv_off + j; qkv's query row
     # i has position i + Nk − Nq and key j position j. The two agree on q − kv (all that the
     # patterns below look at) exactly when the queries are the last Nq keys.
-    if isinstance(q_offset, torch.Tensor) or q_off - kv_off != kv_length - q_length:
-        return dense()  # a static cache (a tensor q_offset is its mark): see the docstring
+    q_off, kv_off = int(call.q_offset), int(call.kv_offset)
+    if isinstance(call.q_offset, torch.Tensor) or q_off - kv_off != nk - nq:
+        return call.dense(mu)  # a static cache (a tensor q_offset is its mark): see the docstring
     interval = _interval(mask_function, mu)
     if interval is None:
-        return dense()  # a predicate we do not know (packed sequences, chunks, custom)
-    structure, kind = _structure(interval, q_length, kv_length)
+        return call.dense(mu)  # a predicate we do not know (packed sequences, chunks, custom)
+    structure, kind = _structure(interval, nq, nk)
     if kind == "dense":
-        return dense()
-    if not _agrees(mask_function, structure, q_off, kv_off, q_length, kv_length, device):
+        return call.dense(mu)
+    if not _agrees(mask_function, structure, q_off, kv_off, nq, nk, device):
         _warn_once(
             repr(interval),
             f"qkv: transformers' mask function {getattr(mask_function, '__qualname__', '?')} "
             f"did not match the qkv mask {structure!r} built for it; using a dense mask",
         )
-        return dense()
+        return call.dense(mu)
 
-    valid = _padding(attention_mask, kv_off, kv_length)
+    valid = _padding(attention_mask, kv_off, nk)
     if valid is None:
-        causal_shape = kind == "causal" or (kind == "full" and q_length <= 1)
+        causal_shape = kind == "causal" or (kind == "full" and nq <= 1)
         if causal_shape and allow_is_causal_skip:
             return None  # the layer's is_causal (bottom-right in qkv) is exactly this
         if kind == "full" and interval[0] is None and allow_is_bidirectional_skip:
             return None  # bidirectional: the layer is not causal either (as for SDPA)
         if kind == "full":
-            return torch.ones(batch_size, 1, 1, kv_length, dtype=torch.bool, device=device)
+            return torch.ones(call.batch_size, 1, 1, nk, dtype=torch.bool, device=device)
         return structure
     if kind == "full":
         return valid[:, None, None, :]  # padding only: (B, 1, 1, Nk), and SDPA can run it
