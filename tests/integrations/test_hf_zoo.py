@@ -1,0 +1,61 @@
+"""The zoo: every transformers family of zoo.py with "qkv" against "eager".
+
+For each family: the forward on a padded batch (`hf_helpers.judge`: the error-ratio rule
+against eager in float64), and for generative families greedy generate() with the
+default (dynamic) cache and with the static cache, where sliding-window families run a
+prompt longer than the window.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
+transformers = pytest.importorskip("transformers", reason="needs: pip install -e '.[hf]'")
+
+from qkv.integrations import hf  # noqa: E402
+
+from ..helpers import assert_error_ratio  # noqa: E402
+from . import zoo  # noqa: E402
+from .hf_helpers import generate_fn, judge, run  # noqa: E402
+
+hf.register()
+
+FAMILIES = list(zoo.FAMILIES)
+GENERATIVE = [name for name, f in zoo.FAMILIES.items() if f.generates]
+
+
+def _cast(inputs: dict, model: torch.nn.Module) -> dict:
+    """Floating inputs (pixels, audio features) in the model's dtype, as a caller would pass."""
+    return {
+        k: v.to(model.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_forward_matches_eager(name):
+    family = zoo.FAMILIES[name]
+    inputs = family.inputs()
+    judge(family.model(), lambda m: family.pick(m(**_cast(inputs, m)), inputs), what=name)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", GENERATIVE)
+def test_generate_matches_eager(name, cache):
+    family = zoo.FAMILIES[name]
+    prompt = {k: v for k, v in family.inputs().items() if not k.startswith("decoder_")}
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    model = family.model()
+
+    def fn(m):
+        return generate_fn(_cast(prompt, m), 4, **kw)(m)
+
+    got_tokens, got = run(model, "qkv", torch.float32, fn)
+    ref_tokens, ref = run(model, "eager", torch.float32, fn)
+    gold_tokens, gold = run(model, "eager", torch.float64, fn)
+    assert torch.equal(got_tokens, ref_tokens) and torch.equal(got_tokens, gold_tokens)
+    assert_error_ratio(got, ref, gold, what=f"{name} generate logits ({cache} cache)")
