@@ -504,6 +504,15 @@ def test_config_attn_implementation_selects_qkv(monkeypatch):
     assert len(spy.calls) == config.num_hidden_layers
 
 
+def test_register_warns_when_output_attentions_cannot_be_seen(monkeypatch):
+    # Without transformers' output collector, models that do not pass output_attentions on
+    # (GPT-2, OPT, SigLIP) would get no weights: register() says so instead of staying silent.
+    monkeypatch.setattr(hf, "_output_collector", lambda: None)
+    monkeypatch.setattr(hf, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="output_attentions=True then reaches qkv only"):
+        hf.register()
+
+
 def test_importing_qkv_does_not_import_transformers():
     code = (
         "import sys, qkv, qkv.integrations, qkv.integrations.hf; "

@@ -1,9 +1,10 @@
 """The zoo: every transformers family of zoo.py with "qkv" against "eager".
 
 For each family: the forward on a padded batch (`hf_helpers.judge`: the error-ratio rule
-against eager in float64), and for generative families greedy generate() with the
-default (dynamic) cache and with the static cache, where sliding-window families run a
-prompt longer than the window.
+against eager in float64), `output_attentions=True` (one map per layer, as eager returns,
+equal to eager's), and for generative families greedy generate() with the default
+(dynamic) cache and with the static cache, where sliding-window families run a prompt
+longer than the window.
 """
 
 from __future__ import annotations
@@ -41,6 +42,38 @@ def test_forward_matches_eager(name):
     family = zoo.FAMILIES[name]
     inputs = family.inputs()
     judge(family.model(), lambda m: family.pick(m(**_cast(inputs, m)), inputs), what=name)
+
+
+def _attentions(output) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Every `*attentions` field of a model output, nested outputs included (CLIP's text and
+    vision towers), by name."""
+    found = {}
+    for key, value in output.items():
+        if key.endswith("attentions") and value is not None:
+            found[key] = tuple(value)
+        elif isinstance(value, transformers.utils.ModelOutput):
+            found.update({f"{key}.{k}": v for k, v in _attentions(value).items()})
+    return found
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_output_attentions_match_eager(name):
+    family = zoo.FAMILIES[name]
+    inputs = family.inputs()
+    rows = zoo.real(inputs)
+
+    def fn(m):
+        found = _attentions(m(**_cast(inputs, m), output_attentions=True))
+        return tuple(w for key in sorted(found) for w in found[key])
+
+    def select(w):  # self-attention over the padded sequence: real rows only (zoo.py)
+        n = None if rows is None else rows.shape[1]
+        return w.transpose(1, 2)[rows] if w.dim() == 4 and w.shape[-2:] == (n, n) else w
+
+    eager = run(family.model(), "eager", torch.float32, fn)
+    assert eager, f"{name}: eager returned no attention weights"
+    got = judge(family.model(), fn, select, what=f"{name} attentions")
+    assert len(got) == len(eager)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

@@ -52,10 +52,17 @@ then uses a 4-D tensor as it is and reads `.ndim` of anything else. make_mask's 
 the same in both calls (a static sliding-window cache reports the sizes a dynamic one does), so
 make_mask looks for `create_masks_for_generate` among its callers and there returns the dense
 tensor.
+
+`output_attentions=True`. transformers records attention weights with hooks on the attention
+layers, and decides once per model forward whether to record (its output collector). Llama and
+most families also pass the flag to the attention function; GPT-2, OPT and SigLIP do not, so
+`attention_forward` asks the collector, and computes the weights (with qkv's `reference`
+backend) exactly when transformers is going to record them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import warnings
@@ -99,6 +106,14 @@ def register(name: str = NAME) -> str:
         (mu.AttentionMaskInterface, make_mask),
     ):
         interface.register(name, function)
+    if _output_collector() is None:
+        _warn_once(
+            "collector",
+            f"qkv: transformers {transformers.__version__} has no output collector where qkv "
+            "looks for it (transformers.utils.output_capturing._active_collector); "
+            "output_attentions=True then reaches qkv only in models that pass the flag on to "
+            "their attention function, and GPT-2, OPT or SigLIP would return no weights",
+        )
     return name
 
 
@@ -442,10 +457,33 @@ def attention_forward(
 
 
 def _wants_weights(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Does the running model want this layer's attention weights?
+
+    transformers collects `output_attentions` with forward hooks on the attention layers, which
+    record what the attention function returns; it decides once per model forward (from the
+    call, else the config) and keeps the answer in its output collector. Some models pass the
+    flag on to the attention function as well, GPT-2, OPT and SigLIP do not, so the collector
+    is the answer; the flag and the config are read only outside a model's forward."""
+    collector = _output_collector()
+    collecting = None if collector is None else collector.get()
+    if collecting is not None:  # inside a model forward: what transformers will record
+        return any(key.endswith("attentions") for key in collecting)
     flag = kwargs.get("output_attentions")
     if flag is None:
         flag = getattr(getattr(module, "config", None), "output_attentions", False)
     return bool(flag)
+
+
+@functools.cache
+def _output_collector():
+    """transformers' per-forward record of the outputs asked for (a context variable whose
+    value maps "attentions", "hidden_states", ... to lists), or None if it is not found."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    collector = getattr(output_capturing, "_active_collector", None)
+    return collector if callable(getattr(collector, "get", None)) else None
 
 
 def _with_bias(
