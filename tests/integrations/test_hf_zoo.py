@@ -1,14 +1,15 @@
 """The zoo: every transformers family of zoo.py with "qkv" against "eager".
 
 For each family: the forward on a padded batch (`hf_helpers.judge`: the error-ratio rule
-against eager in float64), `output_attentions=True` (one map per layer, as eager returns,
-equal to eager's), and for generative families greedy generate() with the default
-(dynamic) cache and with the static cache, where sliding-window families run a prompt
-longer than the window.
+against eager in float64), `output_attentions=True` (one map per layer, as eager returns, equal
+to eager's), `hf.verify` counting qkv in every attention layer, and for generative families
+greedy generate() with the default (dynamic) cache and with the static cache, where sliding-
+window families run a prompt longer than the window.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -27,6 +28,9 @@ hf.register()
 
 FAMILIES = list(zoo.FAMILIES)
 GENERATIVE = [name for name, f in zoo.FAMILIES.items() if f.generates]
+# Attention layers where qkv does not run, by design of the model: SigLIP's vision pooling head
+# is a torch.nn.MultiheadAttention (one learned query over the patches), not a transformers layer.
+NOT_QKV = {"siglip": {"vision_model.head.attention"}}
 
 
 def _cast(inputs: dict, model: torch.nn.Module) -> dict:
@@ -74,6 +78,19 @@ def test_output_attentions_match_eager(name):
     assert eager, f"{name}: eager returned no attention weights"
     got = judge(family.model(), fn, select, what=f"{name} attentions")
     assert len(got) == len(eager)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_verify_counts_qkv_in_every_attention_layer(name):
+    family = zoo.FAMILIES[name]
+    model = copy.deepcopy(family.model())
+    model.set_attn_implementation("qkv")
+    report = hf.verify(model, _cast(family.inputs(), model))
+    assert report.measured and report.layers, str(report)
+    missing = {layer.name for layer in report.layers if not layer.runs_qkv}
+    assert missing == NOT_QKV.get(name, set()), str(report)
+    assert all(layer.calls for layer in report.layers if layer.name not in missing)
+    assert hf.verify(model).ok == (not missing)  # the reading of the code agrees
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

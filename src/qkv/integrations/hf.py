@@ -4,6 +4,7 @@
     qkv.integrations.hf.register()
     model = AutoModel.from_pretrained(name, attn_implementation="qkv")
     model.set_attn_implementation("qkv")          # or switch a loaded model
+    print(qkv.integrations.hf.verify(model, inputs))   # does qkv run in every attention layer?
 
 transformers looks a backend up by name in two registries, and `register()` fills both:
 
@@ -51,13 +52,38 @@ and passes them back into the model as its `attention_mask` input; the model's `
 then uses a 4-D tensor as it is and reads `.ndim` of anything else. make_mask's arguments are
 the same in both calls (a static sliding-window cache reports the sizes a dynamic one does), so
 make_mask looks for `create_masks_for_generate` among its callers and there returns the dense
-tensor.
+tensor. Models whose layers never call the attention interface read the mask themselves: for
+them make_mask returns the float mask transformers builds for "eager" (see Families).
 
 `output_attentions=True`. transformers records attention weights with hooks on the attention
 layers, and decides once per model forward whether to record (its output collector). Llama and
 most families also pass the flag to the attention function; GPT-2, OPT and SigLIP do not, so
 `attention_forward` asks the collector, and computes the weights (with qkv's `reference`
 backend) exactly when transformers is going to record them.
+
+Families. qkv runs where a layer calls transformers' attention interface; `verify(model,
+inputs)` counts qkv's calls per attention layer on one forward and says where it does not run
+(`verify(model)` reads the code and configs instead; `verify(ModelClass)` checks a family before
+loading). Tested against "eager" on tiny random configs (tests/integrations/test_hf_zoo.py):
+
+| family                                           | qkv runs | tested                           |
+| ---                                              | ---      | ---                              |
+| BERT, ModernBERT (local layers: a window)        | yes      | forward, padding, weights        |
+| GPT-2, GPT-NeoX, OPT, Llama, Qwen3, Gemma        | yes      | + generate (dynamic and static)  |
+| Mistral, Mixtral, Phi3 (every layer sliding)     | yes      | + generate, prompt > window      |
+| Qwen2, Gemma 2, Gemma 3 text, gpt-oss (mixed)    | yes      | + generate (softcap, sinks)      |
+| T5, BART, Whisper                                | yes      | + generate (cross-attention)     |
+| ViT, CLIP, SigLIP, Qwen2-VL vision tower         | yes [1]  | forward, weights                 |
+| BLOOM                                            | no [2]   | runs as "eager", with a warning  |
+| Falcon                                           | no [3]   | `verify(FalconForCausalLM)`      |
+
+[1] SigLIP's vision pooling head is a `torch.nn.MultiheadAttention` (one learned query), which
+    stays torch's; `verify` lists it.
+[2] BLOOM computes attention (with ALiBi) in its own code. Loaded with "qkv" it gets the mask
+    it reads under "eager" and a RuntimeWarning on its first forward; `set_attn_implementation
+    ("qkv")` is refused by transformers with a log line and the model stays "eager".
+[3] Falcon picks its attention class by name: building it with "qkv" raises transformers'
+    `KeyError: 'qkv'` before any qkv code runs.
 """
 
 from __future__ import annotations
@@ -76,12 +102,22 @@ import qkv
 
 from .. import masks, scores
 from ..masks import Mask
+from .hf_verify import LayerReport, Report, note_call, routes_attention, verify
 
 NAME = "qkv"
 _INSTALL_HINT = "pip install 'qkv[hf]'"
 _warned: set[str] = set()
 
-__all__ = ["NAME", "attention_forward", "make_mask", "register"]
+__all__ = [
+    "NAME",
+    "LayerReport",
+    "Report",
+    "attention_forward",
+    "make_mask",
+    "register",
+    "routes_attention",
+    "verify",
+]
 
 
 def _import(module: str) -> ModuleType:
@@ -140,8 +176,9 @@ def make_mask(
 
     Returns None (no mask: the attention layer's `is_causal` decides, as for SDPA), a
     `qkv.masks.Mask`, a bool `(B, 1, 1, Nk)` padding-only mask, or, for patterns it cannot
-    express that way, a dense bool `(B, 1, Nq, Nk)` mask.
-    generate()'s pre-build for static caches gets a dense bool mask instead of a `Mask`.
+    express that way, a dense bool `(B, 1, Nq, Nk)` mask. Two callers get a tensor instead of a
+    `Mask`: generate()'s pre-build for static caches (a dense bool mask), and a model family
+    that never calls qkv (its "eager" float mask, with a warning).
     """
     mu = _import("transformers.masking_utils")
     call = _MaskCall(
@@ -155,6 +192,19 @@ def make_mask(
         use_vmap=use_vmap,
         device=device,
     )
+    config = kwargs.get("config")
+    if config is not None and routes_attention(config) is False:
+        # The model's own attention code reads this mask (qkv never runs there): give it the
+        # mask it reads under "eager", and say so.
+        family = type(config).__name__.removesuffix("Config")
+        _warn_once(
+            f"family:{family}",
+            f"qkv: {family} models compute attention in their own code and never call "
+            "transformers' attention interface, so attn_implementation='qkv' does not run qkv "
+            "in them (their masks are built as for 'eager'); check a model with "
+            "qkv.integrations.hf.verify(model)",
+        )
+        return mu.eager_mask(**vars(call), **kwargs)
     result = _translate(call, mu, allow_is_causal_skip, allow_is_bidirectional_skip)
     if isinstance(result, Mask) and _prebuilt_for_generate():
         # generate() hands this mask back to the model as its `attention_mask` input, which
@@ -400,6 +450,7 @@ def attention_forward(
         `(out (B, Sq, H, Dv) contiguous, weights (B, H, Sq, Sk) or None)`; weights are computed
         (by qkv's `reference` backend) only when the model runs with `output_attentions=True`.
     """
+    note_call(module)
     cache = kwargs.get("cache")
     if cache is not None and "Paged" in type(cache).__name__:
         raise NotImplementedError(
