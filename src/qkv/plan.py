@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .layout import BlockLayout
 from .masks import Mask
 from .scores import ScoreMod
 
@@ -35,6 +36,7 @@ class AttentionPlan:
     mask: torch.Tensor | None  # bool, 4-D, broadcastable to (B, H, Nq, Nk); True = may attend
     bias: torch.Tensor | None  # float, 4-D, broadcastable to (B, H, Nq, Nk); added to scaled scores
     mask_rule: Mask | None  # a structured qkv.masks.Mask, evaluated tile by tile
+    layout: BlockLayout | None  # a layout the caller built and passed as the mask (held)
     score_mod: ScoreMod | None  # applied to the scaled scores before masking
     dropout_p: float  # probability of dropping an attention weight
     dropout_seed: int | None  # seed of the counter-based dropout mask; None when dropout_p == 0
@@ -107,7 +109,7 @@ def _check_mask(
     if not isinstance(mask, torch.Tensor):
         raise TypeError(
             f"mask must be a torch.Tensor (bool: True = may attend; float: added to the scores), "
-            f"a qkv.masks.Mask, or None, got {_describe(mask)}"
+            f"a qkv.masks.Mask, a qkv.layout.BlockLayout, or None, got {_describe(mask)}"
         )
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         raise TypeError(
@@ -214,6 +216,20 @@ def make_plan(
     for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {_describe(flag)}")
+    held = None
+    if isinstance(mask, BlockLayout):
+        held = mask
+        if (held.q_len, held.kv_len) != (Nq, Nk):
+            raise ValueError(
+                f"mask is a BlockLayout built for (Nq, Nk)=({held.q_len}, {held.kv_len}), "
+                f"but q and k give ({Nq}, {Nk})"
+            )
+        if held.causal != causal and Nq > 1:
+            raise ValueError(
+                f"mask is a BlockLayout built with causal={held.causal}; pass "
+                f"causal={held.causal} (the layout holds its tiles for that)"
+            )
+        mask = held.mask
     bool_mask, bias, rule = _check_mask(mask, (B, H, Nq, Nk), q.device)
     if score_mod is not None:
         if not isinstance(score_mod, ScoreMod):
@@ -242,6 +258,7 @@ def make_plan(
         mask=bool_mask,
         bias=bias,
         mask_rule=rule,
+        layout=held,
         score_mod=score_mod,
         dropout_p=p,
         dropout_seed=dropout_seed if p > 0 else None,

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.schedule import tile_kinds
-from ..kernels.tiled import RowStats, TiledBackend, _backward, _Tiles, fold_run
-from ..masks import EMPTY, Mask
+from ..kernels.steps import RowStats, TileProblem, Tiling, backward_loop, fold_run
+from ..layout import build, layout_for
+from ..masks import Mask
 from ..numerics import all_finite, row_dot
 from ..plan import make_plan
 from .layout import Segment, segments
@@ -36,33 +36,9 @@ def at_offset(
     head_start: int = 0,
     heads: int | None = None,
 ) -> Mask:
-    """`mask` (written for the whole N×N problem and all H heads) seen from a block whose query
-    rows start at global position `q_start` and whose keys start at `k_start`, holding heads
-    `head_start …` (`heads` of them). The block must be square (as many queries as keys), so
-    that a local row index is the local query position."""
-    rule, bounds = mask._rule, mask._bounds
-
-    def shifted_rule(b, h, q, kv, n):
-        return rule(b, h + head_start, q + q_start, kv + k_start, n_global)
-
-    shifted_bounds = None
-    if bounds is not None:
-
-        def shifted_bounds(b, h, ql, qh, kl, kh, n):
-            hh = h + head_start
-            return bounds(b, hh, ql + q_start, qh + q_start, kl + k_start, kh + k_start, n_global)
-
-    return Mask(
-        rule=shifted_rule,
-        bounds=shifted_bounds,
-        name=f"{mask!r} @ (q+{q_start}, k+{k_start}, h+{head_start})",
-        batch=mask.batch,
-        heads=heads if mask.heads is not None else None,
-    )
-
-
-def has_bounds(mask: Mask | None) -> bool:
-    return mask is not None and mask._bounds is not None
+    """`mask` (written for the whole N×N problem and all H heads) seen from a square block
+    whose query rows start at global position `q_start` and keys at `k_start` (`Mask.shifted`)."""
+    return mask.shifted(q_start, k_start, n_global, head_start, heads)
 
 
 @dataclass(frozen=True)
@@ -104,12 +80,9 @@ def schedule(
                 diagonal = ks.stop - 1 > qs.start  # some key after some query
                 if diagonal and (ks.start, ks.length) != (qs.start, qs.length):
                     raise AssertionError("runs of equal, aligned chunks overlap only as equals")
-            if has_bounds(mask):
-                assert mask is not None
+            if mask is not None and mask.has_bounds:
                 shifted = at_offset(mask, qs.start, ks.start, n_global, 0, mask.heads)
-                if not bool(
-                    (shifted.blocks(qs.length, ks.length, qs.length, ks.length).kind != EMPTY).any()
-                ):
+                if build(qs.length, ks.length, qs.length, ks.length, rule=shifted).nnz == 0:
                     skipped += 1
                     continue
             blocks.append(Block(qs, ks, diagonal))
@@ -157,7 +130,7 @@ class Softmax:
 
 
 def forward(
-    backend: TiledBackend,
+    tiling: Tiling,
     state: Softmax,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -170,7 +143,7 @@ def forward(
     are already cut to the block, in the compute dtype. The loop is the tiled kernel's forward
     (its step `qkv.kernels.tiled.fold_run`) with the running (m, l, acc) read from and written
     back to `state` instead of starting afresh."""
-    T = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
+    T = TileProblem(_plan(q, k, v, block, mask, scale), q, tiling)
     plan = T.plan
     B, Hkv, G, D, Dv = plan.batch, plan.kv_heads, plan.groups, plan.head_dim, plan.v_dim
     qs = q.reshape(B, Hkv, G, plan.q_len, D)  # (B, Hkv, G, n, D)
@@ -189,11 +162,11 @@ def forward(
         state.m[..., r0:r1] = m.view(B, Hkv, G, n)
         state.l[..., r0:r1] = l.view(B, Hkv, G, n)
         state.acc[..., r0:r1, :] = acc.view(B, Hkv, G, n, Dv)
-    return int((T.kinds != EMPTY).sum())
+    return T.layout.nnz
 
 
 def backward(
-    backend: TiledBackend,
+    tiling: Tiling,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -206,13 +179,13 @@ def backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's contributions (dq, dk, dv), given the merged out/lse of its query rows."""
-    tiles = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
+    tiles = TileProblem(_plan(q, k, v, block, mask, scale), q, tiling)
     # D_i over the row's keys on every rank: rowsum(dO ∘ O) of the merged output
     delta = row_dot(out.new_zeros(out.shape) if dout is None else dout, out, torch.float64)
     if dlse is not None:
         delta = delta - dlse.double()
     stats = RowStats.from_lse(lse, tiles.cdt)
-    dq, dk, dv, _ = _backward(tiles, q, k, v, stats, dout, None, delta=delta)
+    dq, dk, dv, _ = backward_loop(tiles, q, k, v, stats, dout, None, delta=delta)
     return dq, dk, dv
 
 
@@ -227,7 +200,7 @@ def tiles_per_rank(
     """Tiles (block × block of the tiled kernel) each rank computes in one ring forward over a
     sequence of `seq_len` tokens, without running it: the work balance of a layout."""
     n_local = seq_len // world
-    backend = TiledBackend(block, block)
+    tiling = Tiling(block, block)
     counts = []
     for rank in range(world):
         total = 0
@@ -239,6 +212,6 @@ def tiles_per_rank(
                 k = torch.empty(1, 1, blk.k.length, 1, device="meta")
                 m = block_mask(blk, mask, seq_len, 0, mask.heads if mask else None)
                 plan = _plan(q, k, k, blk, m, 1.0)
-                total += int((tile_kinds(plan, backend.block_q, backend.block_k) != EMPTY).sum())
+                total += layout_for(plan, tiling.block_q, tiling.block_k).nnz
         counts.append(total)
     return counts

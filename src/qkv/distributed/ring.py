@@ -87,7 +87,7 @@ def _ring_forward(cfg: _Config, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             for blk in blocks:
                 mask = _blocks.block_mask(blk, P.mask, P.n_global, c * (H // g), H // g)
                 tiles = _blocks.forward(
-                    cfg.backend,
+                    cfg.backend.tiling,
                     state,
                     q_c[:, :, blk.q.rows].to(cdt),
                     kv[0][:, :, blk.k.rows].to(cdt),
@@ -137,7 +137,7 @@ def _ring_backward(cfg: _Config, q, k, v, out, lse, dout, dlse):
                 rows, cols = blk.q.rows, blk.k.rows
                 mask = _blocks.block_mask(blk, P.mask, P.n_global, c * (H // g), H // g)
                 dq_b, dk_b, dv_b = _blocks.backward(
-                    cfg.backend,
+                    cfg.backend.tiling,
                     q_c[:, :, rows],
                     kv[0][:, :, cols].to(cdt),
                     kv[1][:, :, cols].to(cdt),

@@ -12,12 +12,12 @@ bf16 and fp16 (scores and softmax in fp32 for the low precisions), and its lse i
 units (float32, or float64 for float64 inputs), as ours. What it cannot do is skip anything: it
 runs every key of its `k`. So this module hands it only the keys each group of queries keeps:
 
-1. **Layout.** `schedule.tile_kinds` classifies the `block_q × block_k` tiles of the backend
-   (from the Mask's tile bounds and the causal flag; never an N×N matrix).
+1. **Layout.** The plan's `qkv.layout.BlockLayout` for the backend's `block_q × block_k`
+   tiles (from the Mask's key ranges and tile bounds and the causal flag; never N×N).
 2. **Strips.** Rows of tiles are merged into strips of at most `rows` query rows (64 by
    default; measured on 2 cores for a 256 window: 64 rows with a 576-key window ran the op in
    ~160 ms at N=16384, 128 rows ~180 ms) while the union of their kept key tiles stays within
-   `waste` times what they keep alone (`schedule.strips`). A strip's *window* is the
+   `waste` times what they keep alone (`BlockLayout.strips`). A strip's *window* is the
    concatenation of its kept key ranges: one contiguous range for a band, several for
    Longformer's global columns + band or BigBird.
 3. **Groups.** Strips with one contiguous window group by (rows, exact width) and are split into
@@ -68,10 +68,10 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import CACHE
-from ..masks import EMPTY
-from ..numerics import all_finite, causal_allowed
+from ..layout import allowed as layout_allowed
+from ..layout import layout_for
+from ..numerics import all_finite
 from ..plan import AttentionPlan
-from .schedule import strips, tile_kinds
 
 _OPS = torch.ops.aten
 # torch's op loses a NaN of q when it sees fewer than 16 keys and no mask (measured, torch
@@ -200,12 +200,12 @@ class Schedule:
         self.cfg = cfg
         self.block_k = block_k
         nq, nk = plan.q_len, plan.kv_len
-        kinds = tile_kinds(plan, block_q, block_k)
-        self.kept_fraction = float((kinds != EMPTY).float().mean()) if kinds.numel() else 0.0
+        lay = layout_for(plan, block_q, block_k)
+        self.kept_fraction = lay.kept_fraction
         groups: dict[tuple, list] = {}
         singles = []
         covered = torch.zeros(nq, dtype=torch.bool)
-        for s in strips(kinds, block_q, block_k, nq, nk, max(cfg.rows, block_q), nk, cfg.waste):
+        for s in lay.strips(max(cfg.rows, block_q), nk, cfg.waste):
             covered[s.start : s.stop] = True
             merged: list[tuple[int, int]] = []
             for r in s.runs:  # runs are cut at max_cols = Nk: only gaps separate them
@@ -420,9 +420,9 @@ def _allowed(plan: AttentionPlan, batch: _Batch, b: int | None, block_k: int) ->
         cols = (c0.view(-1, 1) + j).clamp(max=plan.kv_len - 1).view(-1, 1, 1, block_k)
         bi = torch.zeros(1, 1, 1, 1, dtype=torch.long) + (b or 0)
         hi = torch.arange(hm).view(1, -1, 1, 1)
-        vals = rule.evaluate(bi, hi, rows, cols, plan.q_len, plan.kv_len)
-        if plan.causal:
-            vals = vals & causal_allowed(rows, cols, plan.causal_offset)
+        vals = layout_allowed(
+            bi, hi, rows, cols, q_len=plan.q_len, kv_len=plan.kv_len, causal=plan.causal, rule=rule
+        )
         vals = vals.expand(-1, hm, R, block_k)
         inside = j.view(1, -1) < length.view(-1, 1)  # (P, bk): a tile cut short at its end
         p_idx, j_idx = inside.nonzero(as_tuple=True)

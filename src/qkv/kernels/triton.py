@@ -42,7 +42,8 @@ import torch
 
 from ..cache import CACHE
 from ..dropout import keep_scale
-from ..masks import EMPTY, FULL, PARTIAL, Mask, causal, classify, tile_grid
+from ..layout import BlockLayout, allowed, layout_for
+from ..masks import Mask
 from ..numerics import all_finite, no_double_backward, row_dot, two_float
 from ..plan import AttentionPlan
 from .base import Result
@@ -156,127 +157,114 @@ class TileLists:
 
 @dataclass(frozen=True)
 class Layout:
-    """Everything the kernels need to skip tiles, for one (block_m × block_n) tiling."""
+    """Everything the kernels need to skip tiles, for one (block_m × block_n) tiling: the
+    plan's `qkv.layout.BlockLayout` as padded per-row lists (FULL first), and the bank."""
 
     block_m: int  # query rows per tile
     block_n: int  # keys per tile
-    kind: torch.Tensor  # int8 (Bl, Hl, nqb, nkb) on the CPU: EMPTY/PARTIAL/FULL (bounds too)
+    tiles: BlockLayout  # the kept tiles (EMPTY ones are in no list)
     fwd: TileLists  # rows = query tiles
     bwd: TileLists  # rows = key tiles
     bank: torch.Tensor | None  # int8 (P, block_m, block_n): allowed pairs of partial tiles
-    lay_b: int  # 1 when the layout depends on the batch element, else 0
+    lay_b: int  # 1 when the bank depends on the batch element, else 0
     lay_h: int  # 1 when it depends on the head, else 0
-
-    @property
-    def heads(self) -> int:
-        return self.kind.shape[1]
+    heads: int  # Hl: heads the lists are laid out for (1 or H)
 
 
-def _lists(kind: torch.Tensor, code: torch.Tensor, device: torch.device) -> TileLists:
-    full, part = kind == FULL, kind == PARTIAL
+def _lists(lay: BlockLayout, full: torch.Tensor, code: torch.Tensor, device) -> TileLists:
+    """Padded lists `(Bl, Hl, R, C)` of a layout's rows: FULL tiles first, then PARTIAL ones
+    with their bank codes `code (Bl, Hl, nnz)` (forward order of `lay`)."""
+    R = lay.shape[0]
+    rows = lay.tile_rows()
+    C = int(lay.row_ptr.diff().max()) if lay.nnz else 1
+    Bl, Hl = code.shape[:2]
 
-    def compact(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True)  # kept first
-        return sel.sum(-1).to(torch.int32), order
+    def table(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r, c = rows[sel], lay.col[sel]
+        num = torch.bincount(r, minlength=R)
+        start = torch.cumsum(num, 0) - num
+        slot = torch.arange(r.numel()) - start[r]
+        idx = torch.zeros(R, max(C, 1), dtype=torch.int32)
+        idx[r, slot] = c.to(torch.int32)
+        return num.to(torch.int32), idx, slot
 
-    full_num, full_order = compact(full)
-    part_num, part_order = compact(part)
+    full_num, full_idx, _ = table(full)
+    part_num, part_idx, slot = table(~full)
+    part_code = torch.full((Bl, Hl, R, max(C, 1)), -1, dtype=torch.int32)
+    part_code[:, :, rows[~full], slot] = code[:, :, ~full]
+
+    def out(t: torch.Tensor) -> torch.Tensor:
+        return t.expand(Bl, Hl, *t.shape[-(t.dim()) :]).contiguous().to(device)
+
     return TileLists(
-        full_num=full_num.contiguous().to(device),
-        full_idx=full_order.to(torch.int32).contiguous().to(device),
-        part_num=part_num.contiguous().to(device),
-        part_idx=part_order.to(torch.int32).contiguous().to(device),
-        part_code=code.gather(-1, part_order).to(torch.int32).contiguous().to(device),
+        full_num=out(full_num),
+        full_idx=out(full_idx),
+        part_num=out(part_num),
+        part_idx=out(part_idx),
+        part_code=part_code.contiguous().to(device),
     )
 
 
-def _dense_mask_kinds(mask: torch.Tensor, nq: int, nk: int, bm: int, bn: int) -> torch.Tensor:
-    """Tile kinds of a bool mask `(B|1, H|1, Nq|1, Nk|1)` per (b, h): `(B|1, H|1, nqb, nkb)`."""
-    nqb, nkb = -(-nq // bm), -(-nk // bn)
-    m = mask.expand(mask.shape[0], mask.shape[1], nq, nk)
-    pad = (0, nkb * bn - nk, 0, nqb * bm - nq)
-    t_any = torch.nn.functional.pad(m, pad, value=False)
-    t_all = torch.nn.functional.pad(m, pad, value=True)
-    shape = (m.shape[0], m.shape[1], nqb, bm, nkb, bn)
-    maybe_any = t_any.reshape(shape).any(5).any(3)
-    surely_all = t_all.reshape(shape).all(5).all(3)
-    return classify(maybe_any.cpu(), surely_all.cpu())
-
-
 def _bank(
-    plan: AttentionPlan, sel: torch.Tensor, bm: int, bn: int, device: torch.device
+    plan: AttentionPlan, lay: BlockLayout, tiles: torch.Tensor, Bl: int, Hl: int, bm, bn, device
 ) -> torch.Tensor:
-    """Evaluate the rule and/or bool mask on the selected tiles `sel (Bl, Hl, nqb, nkb)`:
-    int8 `(P, bm, bn)` in `nonzero` order. Rows/keys past the end are clamped (the kernel masks
-    them by bounds)."""
+    """The allowed pairs of the kept tiles `tiles` (forward indices) for every (b, h) of the
+    lists: int8 `(Bl·Hl·P, bm, bn)`, (b, h)-major. Rows/keys past the end are clamped (the
+    kernel masks them by bounds)."""
     nq, nk = plan.q_len, plan.kv_len
-    pos = sel.nonzero().to(device)  # (P, 4): b, h, tile row, tile col
-    out = torch.empty(pos.shape[0], bm, bn, dtype=torch.int8, device=device)
-    ar_m = torch.arange(bm, device=device)
-    ar_n = torch.arange(bn, device=device)
-    rule, mask = plan.mask_rule, plan.mask
-    for c0 in range(0, pos.shape[0], BANK_CHUNK):
-        p = pos[c0 : c0 + BANK_CHUNK]
-        bi, hi = p[:, 0].view(-1, 1, 1), p[:, 1].view(-1, 1, 1)
-        rows = (p[:, 2].view(-1, 1, 1) * bm + ar_m.view(1, -1, 1)).clamp(max=nq - 1)
-        cols = (p[:, 3].view(-1, 1, 1) * bn + ar_n.view(1, 1, -1)).clamp(max=nk - 1)
-        ok = torch.ones(p.shape[0], bm, bn, dtype=torch.bool, device=device)
-        if rule is not None:
-            rb = bi if rule.batch else torch.zeros_like(bi)
-            rh = hi if rule.heads else torch.zeros_like(hi)
-            ok = ok & rule.evaluate(rb, rh, rows, cols, nq, nk).to(device)
-        if mask is not None:
-            idx = [
-                bi if mask.shape[0] > 1 else 0,
-                hi if mask.shape[1] > 1 else 0,
-                rows if mask.shape[2] > 1 else 0,
-                cols if mask.shape[3] > 1 else 0,
-            ]
-            ok = ok & mask[tuple(idx)]
-        out[c0 : c0 + BANK_CHUNK] = ok.to(torch.int8)
-    return out
+    rows_t, cols_t = lay.tile_rows()[tiles], lay.col[tiles]
+    out = torch.empty(Bl, Hl, tiles.numel(), bm, bn, dtype=torch.int8, device=device)
+    ar_m, ar_n = torch.arange(bm), torch.arange(bn)
+    bi = torch.arange(Bl).view(-1, 1, 1, 1, 1)
+    hi = torch.arange(Hl).view(1, -1, 1, 1, 1)
+    per = max(1, BANK_CHUNK // (Bl * Hl))
+    for c0 in range(0, tiles.numel(), per):
+        r = (rows_t[c0 : c0 + per].view(-1, 1, 1) * bm + ar_m.view(1, -1, 1)).clamp(max=nq - 1)
+        c = (cols_t[c0 : c0 + per].view(-1, 1, 1) * bn + ar_n.view(1, 1, -1)).clamp(max=nk - 1)
+        ok = allowed(bi, hi, r[None, None], c[None, None], q_len=nq, kv_len=nk,
+                     causal=plan.causal, rule=plan.mask_rule,
+                     mask=None if plan.mask is None else plan.mask.cpu())  # fmt: skip
+        ok = torch.ones((), dtype=torch.bool) if ok is None else ok
+        out[:, :, c0 : c0 + per] = torch.broadcast_to(ok, (Bl, Hl, r.shape[0], bm, bn)).to(
+            device, torch.int8
+        )
+    return out.view(-1, bm, bn)
 
 
 def build_layout(plan: AttentionPlan, bm: int, bn: int, device: torch.device) -> Layout:
     """The tile lists and bank of a plan for `bm × bn` tiles (see `Layout`)."""
-    nq, nk = plan.q_len, plan.kv_len
-    nqb, nkb = -(-nq // bm), -(-nk // bn)
-    kind = torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8)
-    if plan.causal:
-        q_lo, q_hi, k_lo, k_hi = tile_grid(nq, nk, bm, bn)
-        maybe_any, surely_all = causal()._bounds(None, None, q_lo, q_hi, k_lo, k_hi, nk)
-        kind = classify(maybe_any, surely_all)
-    mask_kind = torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8)
-    if plan.mask_rule is not None:
-        mask_kind = plan.mask_rule.blocks(nq, nk, bm, bn).kind
-    if plan.mask is not None:
-        mask_kind = torch.minimum(mask_kind, _dense_mask_kinds(plan.mask, nq, nk, bm, bn))
-    kind = torch.minimum(kind, mask_kind)
-    mask_kind = mask_kind.expand(kind.shape)
+    lay = layout_for(plan, bm, bn)
+    nk = plan.kv_len
+    nkb = lay.shape[1]
+    full = lay.full.clone()
     if nk % bn and nkb:  # the last key tile runs past Nk: it needs the bounds check
-        last = kind[..., -1]
-        last[last == FULL] = PARTIAL
-    needs_bank = (kind != EMPTY) & (mask_kind == PARTIAL)
-    code = torch.full(kind.shape, -1, dtype=torch.int32)
-    n_bank = int(needs_bank.sum())
+        full[lay.col == nkb - 1] = False
+    rule, mask = plan.mask_rule, plan.mask
+    Bl = max(rule.batch or 1 if rule is not None else 1, mask.shape[0] if mask is not None else 1)
+    Hl = max(rule.heads or 1 if rule is not None else 1, mask.shape[1] if mask is not None else 1)
+    code = torch.full((Bl, Hl, lay.nnz), -1, dtype=torch.int32)
     bank = None
-    if n_bank:
-        code[needs_bank] = torch.arange(n_bank, dtype=torch.int32)
-        bank = _bank(plan, needs_bank, bm, bn, device)
-    kind = kind.contiguous()
+    partial = (~full).nonzero().view(-1)
+    if (rule is not None or mask is not None) and partial.numel():
+        P = partial.numel()
+        base = (torch.arange(Bl).view(-1, 1) * Hl + torch.arange(Hl).view(1, -1)) * P
+        code[:, :, partial] = (base[..., None] + torch.arange(P)).to(torch.int32)
+        bank = _bank(plan, lay, partial, Bl, Hl, bm, bn, device)
+    t = lay.transposed
     return Layout(
         block_m=bm,
         block_n=bn,
-        kind=kind,
-        fwd=_lists(kind, code, device),
-        bwd=_lists(kind.transpose(-1, -2), code.transpose(-1, -2), device),
+        tiles=lay,
+        fwd=_lists(lay, full, code, device),
+        bwd=_lists(t, full[lay.by_col], code[:, :, lay.by_col], device),
         bank=bank,
-        lay_b=int(kind.shape[0] > 1),
-        lay_h=int(kind.shape[1] > 1),
+        lay_b=int(Bl > 1),
+        lay_h=int(Hl > 1),
+        heads=Hl,
     )
 
 
-def layout_for(plan: AttentionPlan, bm: int, bn: int, device: torch.device) -> Layout:
+def layout_for_device(plan: AttentionPlan, bm: int, bn: int, device: torch.device) -> Layout:
     """`build_layout`, from qkv's cache: per Mask object (held weakly) for structured masks, by
     shape for plain/causal problems; never for bool mask tensors (their content may change)."""
     if plan.mask is not None:
@@ -329,7 +317,7 @@ class _Call:
         self.plan, self.config, self.spec = plan, config, spec
         self.device = q.device
         self.d_pad, self.dv_pad = _pad_dim(plan.head_dim), _pad_dim(plan.v_dim)
-        self.fwd_layout = layout_for(plan, *config.fwd_block, q.device)
+        self.fwd_layout = layout_for_device(plan, *config.fwd_block, q.device)
         self._bwd_layout: Layout | None = None
         self.dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
         self.bias = None
@@ -357,7 +345,7 @@ class _Call:
             if (bm, bn) == self.config.fwd_block:
                 self._bwd_layout = self.fwd_layout
             else:
-                self._bwd_layout = layout_for(self.plan, bm, bn, self.device)
+                self._bwd_layout = layout_for_device(self.plan, bm, bn, self.device)
         return self._bwd_layout
 
     def _common(self) -> tuple[list, dict]:
@@ -672,15 +660,13 @@ class TritonBackend:
 
 
 __all__ = [
-    "EMPTY",
-    "FULL",
-    "PARTIAL",
     "Config",
     "Layout",
     "Mask",
     "TritonBackend",
     "build_layout",
     "interpreting",
+    "layout_for_device",
     "mod_spec",
     "triton_available",
 ]
