@@ -4,6 +4,7 @@ alone, unreadable text is named, and no user string can change how the viewer pa
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,69 @@ def test_explain_largest_seed_works(capsys):
     assert f"seed {2**64 - 1}" in capsys.readouterr().out
     with pytest.raises(ExplainError, match=r"the seed must be an int in 0\.\.2\*\*64-1"):
         walkthrough(seed=2**70)
+
+
+# ----------------------------------------------------------------- user text is not markup
+
+
+def _map(words, text):
+    import torch
+
+    from qkv.inspect.attend import AttentionMap
+
+    n = len(words)
+    w = torch.randn(1, 2, n, n, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    return AttentionMap.from_weights(w, words, text=text)
+
+
+def test_dollar_signs_in_the_text_are_drawn_as_typed(tmp_path):
+    pytest.importorskip("matplotlib")
+    from qkv.inspect.figures import attention_grid, token_heads
+
+    words = ["the", "price", "is", "$x^$", "and", "it", "$"]
+    amap = _map(words, "the price is $x^$ and it $")
+    grid = attention_grid(amap, tmp_path / "grid.png")
+    row = token_heads(amap, "it", tmp_path / "it.png")
+    assert (tmp_path / "grid.png").stat().st_size > 0 and (tmp_path / "it.png").stat().st_size > 0
+    labels = [t.get_text() for t in grid.axes[0].get_yticklabels()]
+    assert labels == words and "$x^$" in grid.get_suptitle()
+    assert [t.get_text() for t in row.axes[0].get_xticklabels()] == words
+
+
+def test_text_in_a_script_without_a_font_leaks_no_warnings(tmp_path):
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from qkv.inspect.figures import attention_grid
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attention_grid(_map(["猫", "坐", "🐱"], "猫坐 🐱"), tmp_path / "cjk.png")
+
+
+def test_attend_with_dollar_signs_writes_its_pictures(minilm, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "attend"
+    assert main(["attend", "the price is $x^$ and it", "--out", str(out)]) == 0
+    assert (out / "attention-grid.png").stat().st_size > 0
+    assert (out / "attention-it.png").stat().st_size > 0
+    assert "viewer:" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- --json -: JSON alone
+
+
+def test_attend_json_to_stdout_is_the_document_alone(minilm, cat_map, capsys):
+    assert main(["attend", "--json", "-", "--no-files"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == json.loads(json.dumps(cat_map.to_dict()))
+    assert "Where does" in err  # the summary went to stderr
+
+
+def test_bench_json_to_stdout_is_the_document_alone(capsys):
+    argv = ["bench", "--sizes", "32,64", "--methods", "tiled", "--passes", "forward"]
+    assert main([*argv, "--no-progress", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert [r["n"] for r in report["records"]] == [32, 64]
+    assert "slope (time)" in err

@@ -2,17 +2,49 @@
 
 Each function returns a `matplotlib.figure.Figure` (a notebook shows it) and, given `path`,
 also saves it as a PNG. No pyplot state is touched, so this works headless and in notebooks.
+
+User text (the sentence, its words) is never markup: every artist that shows it is drawn with
+`parse_math=False`, so "$x^$" is shown as typed instead of crashing matplotlib's math parser,
+and with a CJK font after the default one where such a font is installed.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from .attend import AttentionMap
 
 VIZ_HINT = "pip install 'qkv[viz]'"
+CJK_FONTS = (
+    "Noto Sans CJK SC",
+    "Noto Sans SC",
+    "WenQuanYi Zen Hei",
+    "Source Han Sans SC",
+    "SimHei",
+    "Microsoft YaHei",
+    "PingFang SC",
+    "Heiti SC",
+)
+
+
+@functools.cache
+def _families() -> tuple[str, ...]:
+    """The default sans-serif font, then the first installed CJK font (matplotlib falls back
+    glyph by glyph along this list)."""
+    from matplotlib import font_manager, rcParams
+
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    cjk = [name for name in CJK_FONTS if name in installed][:1]
+    return (rcParams["font.sans-serif"][0], *cjk)
+
+
+def plain() -> dict[str, object]:
+    """Text properties for user text: never parsed as math, CJK glyphs where a font has them."""
+    return {"parse_math": False, "fontfamily": list(_families())}
 
 
 def _figure(width: float, height: float):
@@ -25,7 +57,9 @@ def _figure(width: float, height: float):
 
 def _save(fig, path: str | Path | None, dpi: int = 120):
     if path is not None:
-        fig.savefig(path, dpi=dpi)
+        with warnings.catch_warnings():  # no CJK font installed: boxes, not a warning per glyph
+            warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+            fig.savefig(path, dpi=dpi)
     return fig
 
 
@@ -47,10 +81,11 @@ def attention_grid(amap: AttentionMap, path: str | Path | None = None):
             ax.set_yticks(list(ticks))
             ax.tick_params(length=0, labelsize=fontsize)
             if ticks:
-                ax.set_xticklabels(amap.words, rotation=90)
-                ax.set_yticklabels(amap.words)
+                ax.set_xticklabels(amap.words, rotation=90, **plain())
+                ax.set_yticklabels(amap.words, **plain())
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    fig.suptitle(f"{amap.model or 'attention'}: {amap.text!r}" if amap.text else amap.model)
+    title = f"{amap.model or 'attention'}: {amap.text!r}" if amap.text else amap.model
+    fig.suptitle(title, **plain())
     return _save(fig, path)
 
 
@@ -62,12 +97,12 @@ def token_heads(amap: AttentionMap, word: str | int, path: str | Path | None = N
     fig = _figure(max(4.0, 0.45 * W + 2.0), max(3.0, 0.12 * L * H + 1.5))
     ax = fig.subplots()
     image = ax.imshow(rows, vmin=0, vmax=1, cmap="magma", aspect="auto")
-    ax.set_xticks(range(W), amap.words, rotation=60, ha="right", fontsize=8)
+    ax.set_xticks(range(W), amap.words, rotation=60, ha="right", fontsize=8, **plain())
     ax.set_yticks([layer * H for layer in range(L)], [f"layer {layer}" for layer in range(L)])
     for layer in range(1, L):
         ax.axhline(layer * H - 0.5, color="white", linewidth=0.6)
     ax.set_ylabel(f"head (0..{H - 1} within each layer)")
-    ax.set_title(f"where {amap.words[i]!r} looks, every layer and head")
+    ax.set_title(f"where {amap.words[i]!r} looks, every layer and head", **plain())
     fig.colorbar(image, ax=ax, label="attention weight")
     return _save(fig, path)
 
