@@ -175,10 +175,19 @@ def _bench(args: argparse.Namespace) -> None:
         check_file(args.json, "--json", allow_stdout=True)
     check_png(args.png)
     say = say_to(args.json)
-    records = bench.measure(sizes, methods, passes, progress=not args.no_progress)
+    records: list[dict] = []
+    interrupted = False
+    try:
+        for rec in bench.iter_measure(sizes, methods, passes, progress=not args.no_progress):
+            records.append(rec)
+    except KeyboardInterrupt:
+        if not records:
+            raise
+        interrupted = True
+        say(f"(interrupted: {len(records)} runs measured before Ctrl-C; they are kept)")
     say(bench.table(records))
     if args.json:
-        write_json(bench.report(records, sizes), args.json, indent=1)
+        write_json(bench.report(records, sizes, complete=not interrupted), args.json, indent=1)
         if args.json != STDOUT:
             say(f"measurements: {args.json}")
     if args.png:
@@ -186,6 +195,8 @@ def _bench(args: argparse.Namespace) -> None:
 
         cost_plot(records, args.png)
         say(f"plot: {args.png}")
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 # --------------------------------------------------------------------------- demo

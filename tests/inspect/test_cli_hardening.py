@@ -5,6 +5,8 @@ alone, unreadable text is named, and no user string can change how the viewer pa
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +197,79 @@ def test_bench_json_to_stdout_is_the_document_alone(capsys):
     report = json.loads(out)
     assert [r["n"] for r in report["records"]] == [32, 64]
     assert "slope (time)" in err
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+
+def _interrupt_on_run(monkeypatch, at: int) -> list:
+    """Send this process a real SIGINT (what Ctrl-C does) when the `at`-th benchmark run starts."""
+    import qkv.inspect.bench as bench
+
+    started, real = [], bench._runner
+
+    def runner(*args):
+        started.append(args[:2])
+        if len(started) == at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(bench, "_runner", runner)
+    return started
+
+
+def _main_interrupted(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped from main")
+
+
+def test_ctrl_c_during_bench_writes_what_was_measured(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    _interrupt_on_run(monkeypatch, at=3)
+    argv = ["bench", "--sizes", "32,64,128", "--methods", "tiled,naive", "--passes", "forward"]
+    argv += ["--no-progress", "--json", str(tmp_path / "b.json"), "--png", str(tmp_path / "b.png")]
+    assert _main_interrupted(argv) == 130
+    out, err = capsys.readouterr()
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["complete"] is False
+    assert [(r["n"], r["method"]) for r in report["records"]] == [(32, "tiled"), (32, "naive")]
+    assert (tmp_path / "b.png").stat().st_size > 0
+    assert "slope (time)" in out and "2 runs measured before Ctrl-C" in out
+    assert err.strip().endswith("qkv bench: interrupted") and "Traceback" not in err
+
+
+def test_ctrl_c_in_a_real_process_exits_130_without_a_traceback(tmp_path):
+    script = f"""
+import os, signal, sys
+import qkv.inspect.bench as bench
+from qkv.cli import main
+real, n = bench._runner, []
+def runner(*a):
+    n.append(1)
+    if len(n) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(*a)
+bench._runner = runner
+sys.exit(main(["bench", "--sizes", "32,64", "--methods", "tiled", "--passes", "forward",
+               "--json", {str(tmp_path / "b.json")!r}]))
+"""
+    cmd = [sys.executable, "-c", script]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr
+    assert len(json.loads((tmp_path / "b.json").read_text())["records"]) == 1
+
+
+def test_ctrl_c_during_demo_writes_the_finished_sections(minilm, monkeypatch, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    _interrupt_on_run(monkeypatch, at=3)
+    out = tmp_path / "demo"
+    assert _main_interrupted(["demo", "--out", str(out), "--no-progress"]) == 130
+    page = (out / "index.html").read_text()
+    assert "interrupted (Ctrl-C)" in page and "Interrupted: the runs measured before" in page
+    for section in ("The formula", "The backends agree", "Where does", "The cost of attention"):
+        assert section in page
+    assert len(json.loads((out / "bench.json").read_text())["records"]) == 2
+    assert (out / "cost.png").stat().st_size > 0 and (out / "viewer.html").stat().st_size > 0
+    assert "qkv demo: interrupted" in capsys.readouterr().err
