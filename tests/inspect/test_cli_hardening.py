@@ -273,3 +273,45 @@ def test_ctrl_c_during_demo_writes_the_finished_sections(minilm, monkeypatch, tm
     assert len(json.loads((out / "bench.json").read_text())["records"]) == 2
     assert (out / "cost.png").stat().st_size > 0 and (out / "viewer.html").stat().st_size > 0
     assert "qkv demo: interrupted" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- text the model cannot read
+
+CHINESE = "猫坐在垫子上因为它累了"
+
+
+def test_unknown_tokens_are_words_and_named():
+    import torch
+
+    from qkv.inspect.attend import AttentionMap, summary
+
+    w = torch.full((1, 1, 4, 4), 0.25, dtype=torch.float64)
+    amap = AttentionMap.from_weights(w, ["[CLS]", "[UNK]", "cat", "[SEP]"])
+    assert set(amap.strongest_heads("cat")) == {"1:[UNK]"}
+    assert amap.unknown() == [1]
+    text = summary(amap, "cat")
+    assert "    [UNK]  layer 0 head 0   0.250" in text
+    assert "1 of the 2 words became [UNK]" in text
+
+
+def test_chinese_text_shows_every_word_and_says_the_model_cannot_read_it(minilm, capsys):
+    from qkv.inspect.attend import model_attention
+
+    amap = model_attention(CHINESE, *minilm)
+    assert amap.sources[1:-1] == tuple(CHINESE)  # one word per character, none dropped
+    assert main(["attend", CHINESE, "--token", "它", "--no-files"]) == 0
+    out = capsys.readouterr().out
+    assert 'Where does "[UNK](它)"' in out
+    hardest = out.split("hardest:\n")[1].split("  the most focused")[0].splitlines()
+    assert len(hardest) == len(CHINESE) - 1  # every other word, [UNK] ones included
+    assert any(line.strip().startswith("[UNK](猫)") for line in hardest)
+    assert "all-MiniLM-L6-v2 does not read Chinese characters" in out
+    unknown = [w for w in amap.words if w.startswith("[UNK](")]
+    assert f"{len(unknown)} of the {len(CHINESE)} words became [UNK]" in out
+
+
+def test_emoji_is_named_as_such(minilm):
+    from qkv.inspect.attend import model_attention, summary
+
+    text = summary(model_attention("the cat 🐱 sat", *minilm), "cat")
+    assert "[UNK](🐱)" in text and "does not read emoji and symbols" in text
