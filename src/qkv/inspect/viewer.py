@@ -36,8 +36,22 @@ def viewer_html(amap: AttentionMap) -> str:
         "weights_u16": base64.b64encode(bytes(little_endian.tolist())).decode(),
     }
     template = resources.files("qkv.inspect").joinpath("viewer.html").read_text(encoding="utf-8")
-    # "</" cannot appear inside a <script> block; JSON allows the escaped form "<\/".
-    return template.replace(PLACEHOLDER, json.dumps(data).replace("</", "<\\/"))
+    return template.replace(PLACEHOLDER, script_json(data))
+
+
+def script_json(data: object) -> str:
+    """`data` as JSON that no string in it can break out of a `<script>` block with.
+
+    Inside a script element the HTML parser still looks for `</script`, and `<!--` followed by
+    `<script` switches it to a state where the real `</script>` no longer ends the block (the
+    page then stays blank). Every `<`, `>` and `&` is therefore written as its JSON escape
+    (`\\u003c`...), which JavaScript reads back as the same character (json.dumps escapes every
+    non-ASCII one, U+2028 included). JSON has these characters only inside strings, so the
+    escapes never change the data."""
+    text = json.dumps(data)  # ensure_ascii: every other non-ASCII character is escaped already
+    for ch, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026")):
+        text = text.replace(ch, escape)
+    return text
 
 
 def write_viewer(amap: AttentionMap, path: str | Path) -> Path:
