@@ -118,15 +118,18 @@ def _attend(args: argparse.Namespace) -> None:
         if args.json != STDOUT:
             say(f"weights: {args.json}")
     if out is not None:
-        from .inspect.figures import attention_grid, token_heads
+        from .inspect.figures import attention_grid, rollout_figure, token_heads
         from .inspect.viewer import write_viewer
 
         out.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() else "_" for c in word.lower())
-        attention_grid(amap, out / "attention-grid.png")
-        token_heads(amap, word, out / f"attention-{safe}.png")
+        pictures = [out / "attention-grid.png", out / f"attention-{safe}.png"]
+        pictures.append(out / f"attention-{safe}-rollout.png")
+        attention_grid(amap, pictures[0])
+        token_heads(amap, word, pictures[1])
+        rollout_figure(amap, word, pictures[2])
         write_viewer(amap, out / "viewer.html")
-        say(f"pictures: {out / 'attention-grid.png'}, {out / f'attention-{safe}.png'}")
+        say(f"pictures: {', '.join(str(p) for p in pictures)}")
         say(f"viewer:   {out / 'viewer.html'} (open it in a browser)")
 
 

@@ -1,5 +1,6 @@
 """The viewer in a real headless Chromium (Debian's `chromium`, driven by Playwright): no
-network, a 128-token input from the real model, and a click shows the right weights.
+network, a 128-token input from the real model, and a click shows the right weights (of a head,
+and of the attention rollout).
 
 Skipped when Playwright or Chromium is missing, unless QKV_REQUIRE_BROWSER=1 (CI sets it, so
 there a missing browser is a failure, not a skip)."""
@@ -92,6 +93,19 @@ def test_click_shows_the_words_weights_in_chromium(minilm, tmp_path):
         assert after != before
         _agree(after, _expected(amap, 5, 2, word))
         draw_ms = page.evaluate("window.qkvLastDrawMs")
+
+        page.select_option("#head", "-2")  # the rollout through layers 0..5
+        assert page.inner_text("#selected").startswith(
+            '"it" (word 8) draws from, rollout through layers 0..5'
+        )
+        rolled = amap.rollout()[5, word]
+        order = rolled.argsort(descending=True, stable=True)[:10].tolist()
+        _agree(_shown(page), [(amap.words[j], rolled[j].item()) for j in order])
+        page.click("#overview canvas[data-layer='2'][data-head='-2']")
+        assert page.input_value("#layer") == "2" and page.input_value("#head") == "-2"
+        rolled = amap.rollout()[2, word]
+        order = rolled.argsort(descending=True, stable=True)[:10].tolist()
+        _agree(_shown(page), [(amap.words[j], rolled[j].item()) for j in order])
         browser.close()
 
     assert errors == []

@@ -105,6 +105,15 @@ class AttentionMap:
         shown = " ".join(x for x in self.words if not _special(x))
         raise AttendError(f"the word {word!r} is not in the text; its words are: {shown}")
 
+    def rollout(self) -> torch.Tensor:
+        """Attention rollout through each layer, `(L, W, W)`: `[l][i]` is where word i draws
+        from after layers 0..l (heads averaged, `0.5·A + 0.5·I` multiplied over the layers;
+        see `qkv.inspect.rollout`). Computed on the word-level map; for a text whose words are
+        single tokens this is the token-level rollout."""
+        from .rollout import rollout
+
+        return rollout(self.weights)
+
     def unknown(self) -> list[int]:
         """Positions of the words the model could not read (its `[UNK]` token)."""
         return [i for i, w in enumerate(self.words) if w.startswith(UNKNOWN)]
@@ -168,7 +177,8 @@ class AttentionMap:
         ]
 
     def to_dict(self, digits: int = 6) -> dict[str, object]:
-        """JSON-ready: words, shape and the full `weights[layer][head][from][to]`."""
+        """JSON-ready: words, shape, the full `weights[layer][head][from][to]` and the
+        attention `rollout[layer][from][to]` through each layer."""
         return {
             "text": self.text,
             "model": self.model,
@@ -176,6 +186,7 @@ class AttentionMap:
             "layers": self.layers,
             "heads": self.heads,
             "weights": self.weights.round(decimals=digits).tolist(),
+            "rollout": self.rollout().round(decimals=digits).tolist(),
         }
 
 
@@ -323,20 +334,38 @@ def summary(
             cells = "".join(f"{amap.weights[layer, h, i, j].item():9.3f}" for h in heads)
             lines.append(f"  {_pad(target, width)}{cells}")
         return "\n".join(lines + unknown_note(amap))
-    lines.append("  the head that looks at each word hardest:")
+    lines.append(
+        "  the head that looks at each word hardest (and the rollout after all layers, below):"
+    )
     best = amap.strongest_heads(i)
+    final = amap.rollout()[-1, i]  # (W,) where word i draws from after all layers
     width = max((_cols(k.split(":", 1)[1]) for k in best), default=4)
     for key, hw in best.items():
-        target = key.split(":", 1)[1]
+        j, target = key.split(":", 1)
         bar = "█" * round(20 * hw.weight)
         lines.append(
-            f"    {_pad(target, width)}  layer {hw.layer} head {hw.head:<2}  {hw.weight:.3f} {bar}"
+            f"    {_pad(target, width)}  layer {hw.layer} head {hw.head:<2}  {hw.weight:.3f} "
+            f"{bar:<20}  rollout {final[int(j)].item():.3f}"
         )
     lines.append("  the most focused heads (their strongest link to another word):")
     for hw, target in amap.focused_heads(i, 5):
         target = _pad(target, width)
         lines.append(f"    layer {hw.layer} head {hw.head:<2} → {target}  {hw.weight:.3f}")
-    return "\n".join(lines + unknown_note(amap))
+    return "\n".join(lines + rollout_lines(amap, i) + unknown_note(amap))
+
+
+def rollout_lines(amap: AttentionMap, i: int, k: int = 6) -> list[str]:
+    """Where word i draws from after all layers (attention rollout): its k largest sources."""
+    final = amap.rollout()[-1, i]  # (W,)
+    width = max(_cols(w) for w in amap.words)
+    lines = [
+        f'  where "{amap.words[i]}" draws from after all {amap.layers} layers (attention '
+        "rollout: heads averaged, 0.5·A + 0.5·I multiplied over the layers):"
+    ]
+    for j in final.argsort(descending=True, stable=True)[:k].tolist():
+        bar = "█" * round(20 * final[j].item())
+        lines.append(f"    {_pad(amap.words[j], width)}  {final[j].item():.3f} {bar}")
+    return lines
 
 
 def _cols(text: str) -> int:

@@ -47,7 +47,8 @@ def plain() -> dict[str, object]:
     return {"parse_math": False, "fontfamily": list(_families())}
 
 
-def _figure(width: float, height: float):
+def new_figure(width: float, height: float):
+    """A headless matplotlib Figure of `width` × `height` inches (constrained layout)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -55,7 +56,8 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _save(fig, path: str | Path | None, dpi: int = 120):
+def save(fig, path: str | Path | None, dpi: int = 120):
+    """Save `fig` to `path` (the format from the extension) when a path is given; return it."""
     if path is not None:
         with warnings.catch_warnings():  # no CJK font installed: boxes, not a warning per glyph
             warnings.filterwarnings("ignore", message="Glyph .* missing from font")
@@ -67,7 +69,7 @@ def attention_grid(amap: AttentionMap, path: str | Path | None = None):
     """Every layer × head as a heatmap (rows: looking word, columns: attended word)."""
     L, H, W = amap.layers, amap.heads, len(amap.words)
     cell = max(1.1, min(2.2, 0.14 * W))
-    fig = _figure(cell * H + 1.2, cell * L + 0.8)
+    fig = new_figure(cell * H + 1.2, cell * L + 0.8)
     axes = fig.subplots(L, H, squeeze=False, sharex=True, sharey=True)
     image = None
     ticks = range(W) if W <= 40 else []
@@ -86,7 +88,7 @@ def attention_grid(amap: AttentionMap, path: str | Path | None = None):
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     title = f"{amap.model or 'attention'}: {amap.text!r}" if amap.text else amap.model
     fig.suptitle(title, **plain())
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def token_heads(amap: AttentionMap, word: str | int, path: str | Path | None = None):
@@ -94,7 +96,7 @@ def token_heads(amap: AttentionMap, word: str | int, path: str | Path | None = N
     i = word if isinstance(word, int) else amap.index(word)
     L, H, W = amap.layers, amap.heads, len(amap.words)
     rows = amap.weights[:, :, i, :].reshape(L * H, W).numpy()
-    fig = _figure(max(4.0, 0.45 * W + 2.0), max(3.0, 0.12 * L * H + 1.5))
+    fig = new_figure(max(4.0, 0.45 * W + 2.0), max(3.0, 0.12 * L * H + 1.5))
     ax = fig.subplots()
     image = ax.imshow(rows, vmin=0, vmax=1, cmap="magma", aspect="auto")
     ax.set_xticks(range(W), amap.words, rotation=60, ha="right", fontsize=8, **plain())
@@ -104,7 +106,38 @@ def token_heads(amap: AttentionMap, word: str | int, path: str | Path | None = N
     ax.set_ylabel(f"head (0..{H - 1} within each layer)")
     ax.set_title(f"where {amap.words[i]!r} looks, every layer and head", **plain())
     fig.colorbar(image, ax=ax, label="attention weight")
-    return _save(fig, path)
+    return save(fig, path)
+
+
+def rollout_figure(amap: AttentionMap, word: str | int, path: str | Path | None = None):
+    """Where one word looks in each layer (heads averaged) beside where it draws from after
+    each layer (attention rollout): rows are layers, columns the words."""
+    i = word if isinstance(word, int) else amap.index(word)
+    L, W = amap.layers, len(amap.words)
+    raw = amap.weights[:, :, i, :].mean(1).numpy()  # (L, W)
+    rolled = amap.rollout()[:, i, :].numpy()  # (L, W)
+    fig = new_figure(max(7.0, 0.9 * W + 2.5), max(3.0, 0.35 * L + 2.2))
+    axes = fig.subplots(1, 2, sharey=True)
+    titles = (
+        f"where {amap.words[i]!r} looks in each layer (heads averaged)",
+        f"where {amap.words[i]!r} draws from after layers 0..l (rollout)",
+    )
+    image = None
+    for ax, rows, title in zip(axes, (raw, rolled), titles, strict=True):
+        image = ax.imshow(rows, vmin=0, vmax=1, cmap="magma", aspect="auto")
+        ax.set_xticks(range(W), amap.words, rotation=60, ha="right", fontsize=8, **plain())
+        ax.set_title(title, fontsize=9, **plain())
+        for layer in range(L):
+            for j in range(W):
+                value = rows[layer, j]
+                if value >= 0.1:
+                    color = "black" if value > 0.6 else "white"
+                    ax.text(
+                        j, layer, f"{value:.2f}", ha="center", va="center", fontsize=6, color=color
+                    )
+    axes[0].set_yticks(range(L), [f"layer {layer}" for layer in range(L)])
+    fig.colorbar(image, ax=axes, label="weight")
+    return save(fig, path)
 
 
 def cost_plot(records: Sequence[dict], path: str | Path | None = None):
@@ -114,7 +147,7 @@ def cost_plot(records: Sequence[dict], path: str | Path | None = None):
     from .bench import slopes
 
     passes = [p for p in ("forward", "forward+backward") if any(r["pass"] == p for r in records)]
-    fig = _figure(5.2 * len(passes), 8.0)
+    fig = new_figure(5.2 * len(passes), 8.0)
     axes = fig.subplots(2, len(passes), squeeze=False)
     for col, pas in enumerate(passes):
         mine = [r for r in records if r["pass"] == pas]
@@ -135,4 +168,4 @@ def cost_plot(records: Sequence[dict], path: str | Path | None = None):
             ax.legend(fontsize=8)
             ax.set_title(f"{pas}: {label.split(' (')[0]}")
     fig.suptitle("The cost of attention: dense grows as N², a sliding window as N")
-    return _save(fig, path)
+    return save(fig, path)

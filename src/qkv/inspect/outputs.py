@@ -86,9 +86,9 @@ def check_folder(path: str | Path, option: str) -> Path:
 
 def image_formats() -> set[str]:
     """The file extensions matplotlib can save a figure as (png, svg, pdf, ...)."""
-    from .figures import _figure
+    from .figures import new_figure
 
-    return set(_figure(1, 1).canvas.get_supported_filetypes())
+    return set(new_figure(1, 1).canvas.get_supported_filetypes())
 
 
 def write_json(doc: object, target: str | Path, *, indent: int | None = None) -> None:
