@@ -3,6 +3,7 @@
 - `qkv explain`: the textbook walk-through on real numbers;
 - `qkv attend TEXT --token WORD`: where a word looks in the real all-MiniLM-L6-v2;
 - `qkv bench`: the cost curve, time and memory against N;
+- `qkv lab NAME`: one of the chapter's claims measured (`rnn`, `scale`, `routing`);
 - `qkv demo`: all of them, written to a folder with a report.
 
 Each subcommand is one entry of `COMMANDS`: a help line, a function that adds its arguments and
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .inspect.outputs import STDOUT, OutputError, check_file, check_folder, say_to, write_json
+from .labs import command as lab_command
 
 USAGE_ERROR, FAILED, INTERRUPTED = 2, 1, 130
 MISSING_PACKAGE = FAILED
@@ -230,6 +232,11 @@ COMMANDS: dict[str, Command] = {
     "explain": Command("the textbook walk-through on real numbers", _explain_args, _explain),
     "attend": Command("where a word looks in the real all-MiniLM-L6-v2", _attend_args, _attend),
     "bench": Command("time and memory of attention against N", _bench_args, _bench),
+    "lab": Command(
+        "the chapter's claims, measured: rnn, scale, routing",
+        lab_command.add_arguments,
+        lab_command.run,
+    ),
     "demo": Command("explain, attend and bench, written to a folder", _demo_args, _demo),
 }
 
