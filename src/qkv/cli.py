@@ -209,6 +209,7 @@ def _bench(args: argparse.Namespace) -> None:
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="qkv-demo", help="the folder (default qkv-demo)")
+    p.add_argument("--full", action="store_true", help="the labs' full runs (several minutes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -216,7 +217,7 @@ def _demo(args: argparse.Namespace) -> None:
     from .inspect import demo
 
     out = check_folder(args.out, "--out")
-    demo.run(out, progress=not args.no_progress)
+    demo.run(out, progress=not args.no_progress, labs="full" if args.full else "quick")
 
 
 # --------------------------------------------------------------------------- the command
@@ -237,7 +238,7 @@ COMMANDS: dict[str, Command] = {
         lab_command.add_arguments,
         lab_command.run,
     ),
-    "demo": Command("explain, attend and bench, written to a folder", _demo_args, _demo),
+    "demo": Command("explain, attend, bench and the labs, in a folder", _demo_args, _demo),
 }
 
 

@@ -32,6 +32,7 @@ def test_json_has_the_documented_fields(doc):
             assert 0.0 <= r[key] <= 1.0
             runs = r[f"{key}_by_seed"]
             assert len(runs) == 2 and r[key] == pytest.approx(sum(runs) / 2)
+    assert set(doc["machine"]) >= {"cpu", "cores", "threads", "load_1min", "load_1min_after"}
     assert doc["task"]["test_length"] == 8 and doc["task"]["chance"] == 1 / rnn.TASK.values
     for name in ("attention", "lstm"):
         assert len(doc["training"]["loss"][name]) == 2  # one curve per seed
@@ -71,6 +72,8 @@ def test_claim_rules():
         {"distance": 256, "lstm_acc": 0.5, "attention_acc": 0.97},
     ]
     assert rnn.claims({"parallel": par, "recall": rec}) == {"parallel": True, "recall": True}
+    slower = {**par[0], "lstm_ms": 300.0, "attention_ms": 400.0}  # both slowed by threads
+    assert rnn.claims({"parallel": [slower], "recall": rec})["parallel"] is False
     rec[-1]["lstm_acc"] = 0.85  # fell by only 5 points
     par[0]["threads"] = 1
     assert rnn.claims({"parallel": par, "recall": rec}) == {"parallel": None, "recall": False}

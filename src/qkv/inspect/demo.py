@@ -4,7 +4,9 @@
 2. every backend against the float64 oracle, and what `auto` picks and why;
 3. where "it" looks in the real all-MiniLM-L6-v2 (`qkv attend`): a text answer, two PNGs and
    the interactive viewer;
-4. the cost curve (`qkv bench --quick`): a table, a JSON and a log-log PNG.
+4. the cost curve (`qkv bench --quick`): a table, a JSON and a log-log PNG;
+5.–7. the chapter's claims measured (`qkv lab rnn`, `scale`, `routing`, quick versions, or the
+   full ones with `labs="full"`): each lab's answer, its PNG and its JSON.
 
 Each part is a section function that writes its files and appends its piece of the report as
 soon as it is done; `index.html` in the folder links everything. After Ctrl-C the report is
@@ -15,6 +17,7 @@ curve), then the interrupt goes on to the caller.
 from __future__ import annotations
 
 import html
+import importlib
 import json
 import platform
 import time
@@ -72,6 +75,7 @@ class Report:
     sizes: bench.Sizes
     progress: bool
     echo: Callable[[str], None]
+    labs: str = "quick"  # which preset the labs run: "quick" or "full"
     sections: list[str] = field(default_factory=list)
 
     def add(self, title: str, body: str) -> None:
@@ -146,7 +150,45 @@ Measured now, on this machine (<a href="bench.json">bench.json</a>).{note}</p>
             )
 
 
-SECTIONS: list[Callable[[Report], None]] = [_formula, _backends, _attend, _cost]
+LAB_TITLES = {
+    "rnn": "RNN vs attention: parallelism and memory (qkv lab rnn)",
+    "scale": "Why divide by √d_k (qkv lab scale)",
+    "routing": "Attention as soft routing (qkv lab routing)",
+}
+
+
+def _lab(name: str) -> Callable[[Report], None]:
+    """The demo section of one lab: its answer, figure and JSON."""
+
+    def section(r: Report) -> None:
+        title = LAB_TITLES[name]
+        r.echo(f"\n== {len(r.sections) + 1}. {title} ==")
+        lab = importlib.import_module(f"qkv.labs.{name}")
+        doc = lab.run(lab.FULL if r.labs == "full" else lab.QUICK, progress=r.progress)
+        answer = lab.summary(doc)
+        r.echo(answer)
+        lab.figure(doc, r.out / f"lab-{name}.png")
+        (r.out / f"lab-{name}.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        flag = " --full" if r.labs == "full" else ""
+        r.add(
+            title,
+            f"""<p>Measured now, on this machine, by the same code as <code>qkv lab {name}{flag}
+</code> (<a href="lab-{name}.json">lab-{name}.json</a>); each claim is checked by the rule its
+line states.</p>
+{pre(answer)}
+<p><img src="lab-{name}.png" alt="qkv lab {name}"></p>""",
+        )
+
+    return section
+
+
+SECTIONS: list[Callable[[Report], None]] = [
+    _formula,
+    _backends,
+    _attend,
+    _cost,
+    *(_lab(name) for name in LAB_TITLES),
+]
 
 
 def run(
@@ -155,16 +197,21 @@ def run(
     *,
     progress: bool = True,
     echo: Callable[[str], None] = print,
+    labs: str = "quick",
+    sections: list[Callable[[Report], None]] | None = None,
 ) -> Path:
-    """Run the demo, write its folder, and return the path of its `index.html`."""
+    """Run the demo (`sections`, default all of `SECTIONS`), write its folder, and return the
+    path of its `index.html`. `labs`: "quick" or "full", the presets the labs run."""
+    if labs not in ("quick", "full"):
+        raise ValueError(f"labs must be 'quick' or 'full', got {labs!r}")
     check_requirements()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = Report(out, sizes, progress, echo)
+    report = Report(out, sizes, progress, echo, labs)
     started = time.perf_counter()
     index = out / "index.html"
     try:
-        for section in SECTIONS:
+        for section in SECTIONS if sections is None else sections:
             section(report)
     except KeyboardInterrupt:
         took = time.perf_counter() - started
@@ -186,7 +233,8 @@ def _page(sections: list[str], took: float, interrupted: bool = False) -> str:
 pre{{background:#f6f6f6;padding:10px;overflow-x:auto;font-size:12.5px}}img{{max-width:100%}}</style>
 </head><body>
 <h1>qkv demo</h1>
-<p>Self-attention, <code>softmax(Q Kᵀ / √d_k) V</code>, from the formula to its cost.
+<p>Self-attention, <code>softmax(Q Kᵀ / √d_k) V</code>, from the formula to its cost, and the
+chapter's claims measured.
 Made by <code>qkv demo</code> {state} {took:.0f} s on {html.escape(platform.machine())},
 torch {html.escape(torch.__version__)}, {torch.get_num_threads()} threads.</p>
 {body}

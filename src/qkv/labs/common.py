@@ -8,8 +8,11 @@ A lab is a module with `QUICK` and `FULL` presets, `run(preset, seed=..., progre
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -79,3 +82,24 @@ def verdict(holds: bool, lang: str) -> str:
     if lang == "zh":
         return "成立" if holds else "不成立"
     return "holds" if holds else "does not hold"
+
+
+def machine() -> dict[str, object]:
+    """Where a lab ran: CPU model, torch, threads and the load average (a shared machine's other
+    work slows and disturbs the timings; the load says how busy it was)."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = None
+    with contextlib.suppress(OSError, AttributeError):
+        load = round(os.getloadavg()[0], 2)
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_1min": load,
+    }

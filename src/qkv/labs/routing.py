@@ -23,7 +23,7 @@ from torch import nn
 
 from ..nn import MultiHeadAttention
 from . import recall
-from .common import Progress, pick, threads, verdict
+from .common import Progress, machine, pick, threads, verdict
 
 MODELS = ("cnn", "lstm", "attention")
 
@@ -183,7 +183,7 @@ def routes(preset: Preset, seed: int, bar: Progress) -> dict:
 
 def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict:
     """Both measurements; returns the JSON document (see the module docstring)."""
-    started = time.perf_counter()
+    started, before = time.perf_counter(), machine()
     bar = Progress(len(MODELS) * len(preset.layers) + preset.steps, "qkv lab routing", progress)
     try:
         with threads(1):
@@ -193,6 +193,7 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
         bar.close()
     return {
         "lab": "routing",
+        "machine": {**before, "load_1min_after": machine()["load_1min"]},
         "preset": asdict(preset),
         "seed": seed,
         "gradient_reach": reach,
@@ -233,9 +234,9 @@ TEXT = {
         "claim_cnn": "  claim: a CNN sees a fixed local window → {verdict} (reach = number of "
         "layers: {got})",
         "claim_lstm": "  claim: an RNN relays station by station, fading → {verdict} (at "
-        "d={far} its gradient is {rel} of the largest)",
+        "d={far} its gradient is {rel} of the largest; rule: below 1%)",
         "claim_attn": "  claim: attention reaches every position in one layer → {verdict} (at "
-        "d={far} its gradient is {rel} of the largest)",
+        "d={far} its gradient is {rel} of the largest; rule: at least 10%)",
         "route": "2. Routing of the trained recall model ({steps} steps, {n} positions): "
         "accuracy {acc:.1%}, mean weight on the answer's position {w:.1%} ({samples} sequences)",
         "route_ex": "  answer {d:>2} back: weight {w:.2f} there, largest weight {m:.2f} at "
@@ -250,9 +251,9 @@ TEXT = {
         "reach_cols": ("模型", "层数", "可达", "d={far} 处梯度/最大"),
         "claim_cnn": "  论断：CNN 只看固定的局部窗口 → {verdict}（可达距离 = 层数：{got}）",
         "claim_lstm": "  论断：RNN 逐站接力、逐渐衰减 → {verdict}（d={far} 处的梯度为最大值的 "
-        "{rel}）",
+        "{rel}；规则：低于 1%）",
         "claim_attn": "  论断：注意力一层就能到达每个位置 → {verdict}（d={far} 处的梯度为最大值的"
-        " {rel}）",
+        " {rel}；规则：至少 10%）",
         "route": "2. 训练后的回忆模型的路由（{steps} 步，{n} 个位置）：准确率 {acc:.1%}，"
         "答案位置上的平均权重 {w:.1%}（{samples} 条序列）",
         "route_ex": "  答案在 {d:>2} 步之前：该处权重 {w:.2f}，最大权重 {m:.2f} 在 {where} 步之前",

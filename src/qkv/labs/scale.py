@@ -23,7 +23,7 @@ import torch
 
 from ..functional import attention
 from . import recall
-from .common import Progress, pick, threads, verdict
+from .common import Progress, machine, pick, threads, verdict
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def training(preset: Preset, seed: int, bar: Progress) -> dict:
 
 def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict:
     """All four measurements; returns the JSON document (see the module docstring)."""
-    started = time.perf_counter()
+    started, before = time.perf_counter(), machine()
     bar = Progress(2 * len(preset.d_ks) + 2 * preset.steps, "qkv lab scale", progress)
     g = torch.Generator().manual_seed(seed)
     try:
@@ -176,6 +176,7 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
         bar.close()
     return {
         "lab": "scale",
+        "machine": {**before, "load_1min_after": machine()["load_1min"]},
         "preset": asdict(preset),
         "seed": seed,
         "variance": var_rows,
@@ -209,14 +210,16 @@ TEXT = {
             "‖J‖ 1/√d_k",
         ),
         "sat_claim": "  claim: unscaled, the softmax saturates → {verdict} (largest weight at "
-        "d_k={d0}→{d}: {a0:.3f}→{a1:.3f} unscaled, {b0:.3f}→{b1:.3f} scaled)",
+        "d_k={d0}→{d}: {a0:.3f}→{a1:.3f} unscaled, {b0:.3f}→{b1:.3f} scaled; rule: unscaled "
+        "≥ 0.9 at the largest d_k, scaled within 0.05 of where it started)",
         "grad_claim": "  claim: unscaled, its gradient vanishes → {verdict} (‖J‖ from its peak "
-        "{peak:.4f} to {j1:.4f} at d_k={d} unscaled; {s0:.4f}→{s1:.4f} scaled)",
+        "{peak:.4f} to {j1:.4f} at d_k={d} unscaled; {s0:.4f}→{s1:.4f} scaled; rule: unscaled "
+        "falls ≥ 2× from its peak, scaled within 10%)",
         "train": "4. Training the same model at d_k={d_k} ({steps} steps, the same batches and "
         "initial weights; loss at the start ln {values} = {init:.2f})",
         "train_row": "  loss after {step:>5} steps: 1/√d_k {a:.3f}   scale 1 {b:.3f}",
         "train_claim": "  claim: without the scale, training stalls → {verdict} (final loss "
-        "{a:.3f} with 1/√d_k, {b:.3f} with scale 1)",
+        "{a:.3f} with 1/√d_k, {b:.3f} with scale 1; rule: ≥ 1.5× higher with scale 1)",
     },
     "zh": {
         "title": "为什么除以 √d_k（{seconds:.0f} 秒）",
@@ -237,14 +240,16 @@ TEXT = {
             "‖J‖ 1/√d_k",
         ),
         "sat_claim": "  论断：不缩放时 softmax 饱和 → {verdict}（d_k 从 {d0} 到 {d}，最大权重："
-        "不缩放 {a0:.3f}→{a1:.3f}，缩放 {b0:.3f}→{b1:.3f}）",
+        "不缩放 {a0:.3f}→{a1:.3f}，缩放 {b0:.3f}→{b1:.3f}；规则：不缩放在最大 d_k 处 ≥ 0.9，"
+        "缩放后变化不超过 0.05）",
         "grad_claim": "  论断：不缩放时梯度消失 → {verdict}"
-        "（‖J‖ 从峰值 {peak:.4f} 降到 d_k={d} 时的 {j1:.4f}；缩放时 {s0:.4f}→{s1:.4f}）",
+        "（‖J‖ 从峰值 {peak:.4f} 降到 d_k={d} 时的 {j1:.4f}；缩放时 {s0:.4f}→{s1:.4f}；"
+        "规则：不缩放从峰值至少降一半，缩放后变化不超过 10%）",
         "train": "4. 在 d_k={d_k} 训练同一个模型（{steps} 步，相同的批次与初始权重；"
         "初始损失 ln {values} = {init:.2f}）",
         "train_row": "  第 {step:>5} 步后的损失：1/√d_k {a:.3f}   不缩放 {b:.3f}",
         "train_claim": "  论断：不缩放时训练停滞 → {verdict}（最终损失：1/√d_k 为 {a:.3f}，"
-        "不缩放为 {b:.3f}）",
+        "不缩放为 {b:.3f}；规则：不缩放至少高 1.5 倍）",
     },
 }
 VARIANCE_TOLERANCE = 0.10
