@@ -153,7 +153,15 @@ def tiny_labs(monkeypatch) -> None:
         rnn,
         "QUICK",
         rnn.Preset(
-            ns=(16,), width=8, repeats=1, distances=(1, 3), seeds=1, steps=5, d_model=8, samples=8
+            ns=(16,),
+            width=8,
+            repeats=1,
+            budget_s=60.0,
+            distances=(1, 3),
+            seeds=1,
+            steps=5,
+            d_model=8,
+            samples=8,
         ),
     )
     monkeypatch.setattr(

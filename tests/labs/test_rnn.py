@@ -10,7 +10,15 @@ import pytest
 from qkv.labs import rnn
 
 TINY = rnn.Preset(
-    ns=(16, 32), width=8, repeats=1, distances=(1, 3, 7), seeds=2, steps=12, d_model=8, samples=16
+    ns=(16, 32),
+    width=8,
+    repeats=1,
+    budget_s=60.0,
+    distances=(1, 3, 7),
+    seeds=2,
+    steps=12,
+    d_model=8,
+    samples=16,
 )
 
 
@@ -21,7 +29,7 @@ def doc():
 
 def test_json_has_the_documented_fields(doc):
     doc = json.loads(json.dumps(doc, allow_nan=False))
-    assert [r["n"] for r in doc["parallel"]] == [16, 32]
+    assert [r["n"] for r in doc["parallel"]] == [16, 32] and doc["parallel_skipped"] == []
     for r in doc["parallel"]:
         assert r["lstm_steps"] == r["n"] and r["attention_steps"] == 1
         assert r["lstm_ms"] > 0 and r["attention_ms"] > 0
@@ -88,3 +96,11 @@ def test_summary_in_both_languages_and_the_figure(doc, tmp_path):
     pytest.importorskip("matplotlib")
     rnn.figure(doc, tmp_path / "rnn.png")
     assert (tmp_path / "rnn.png").stat().st_size > 0
+
+
+def test_the_timing_stops_starting_new_lengths_once_its_budget_is_spent():
+    from dataclasses import replace
+
+    bar = rnn.Progress(3, "test", enabled=False)
+    rows, skipped = rnn.parallel(replace(TINY, ns=(8, 16, 32), budget_s=0.0), bar)
+    assert [r["n"] for r in rows] == [8] and skipped == [16, 32]  # the first is always timed

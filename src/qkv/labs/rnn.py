@@ -30,7 +30,8 @@ class Preset:
 
     ns: tuple[int, ...]  # sequence lengths timed
     width: int  # width of the timed LSTM and attention layer
-    repeats: int  # timing: best of this many runs after a warm-up
+    repeats: int  # timing: best of this many runs after a warm-up (fewer past 2 s)
+    budget_s: float  # timing: no new N is started once the timing has taken this long
     distances: tuple[int, ...]  # recall: distances tested (training covers 1..max)
     seeds: int  # recall: independent trainings of each model
     steps: int  # recall: training steps of each model (batch 32)
@@ -42,6 +43,7 @@ QUICK = Preset(
     ns=(64, 128, 256, 512, 1024, 2048, 4096),
     width=64,
     repeats=2,
+    budget_s=20.0,
     distances=(4, 8, 16, 32, 64, 128, 256),
     seeds=2,
     steps=1000,
@@ -52,6 +54,7 @@ FULL = Preset(
     ns=(64, 128, 256, 512, 1024, 2048, 4096, 8192),
     width=64,
     repeats=5,
+    budget_s=120.0,
     distances=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
     seeds=4,
     steps=4000,
@@ -69,10 +72,18 @@ WINDOW = 50  # steps per point of the logged loss curves
 # --------------------------------------------------------------------------- parallelism
 
 
+CALL_CAP_S = 2.0  # after this long on one measurement, no further repeats
+
+
 def _time(fn, repeats: int) -> float:
+    """Best of `repeats` timed runs after a warm-up, in ms; at least one timed run, no more
+    once the measurement has taken `CALL_CAP_S` (a busy machine can make a call take seconds)."""
+    start = time.perf_counter()
     fn()  # warm-up
     best = float("inf")
-    for _ in range(repeats):
+    for i in range(repeats):
+        if i and time.perf_counter() - start > CALL_CAP_S:
+            break
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
@@ -95,11 +106,18 @@ def time_layers(n: int, width: int, repeats: int, seed: int = 0) -> tuple[float,
     return _time(run_lstm, repeats), _time(run_attn, repeats)
 
 
-def parallel(preset: Preset, bar: Progress) -> list[dict]:
-    """One record per N: time on all threads and on one, and the sequential steps of each."""
+def parallel(preset: Preset, bar: Progress) -> tuple[list[dict], list[int]]:
+    """One record per N: time on all threads and on one, and the sequential steps of each;
+    and the lengths not started because the time budget was spent."""
     all_threads = torch.get_num_threads()
-    rows = []
+    rows: list[dict] = []
+    skipped: list[int] = []
+    start = time.perf_counter()
     for n in preset.ns:
+        bar.step()
+        if rows and time.perf_counter() - start > preset.budget_s:
+            skipped.append(n)
+            continue
         lstm_ms, attn_ms = time_layers(n, preset.width, preset.repeats)
         with threads(1):
             lstm_1, attn_1 = time_layers(n, preset.width, preset.repeats)
@@ -115,8 +133,7 @@ def parallel(preset: Preset, bar: Progress) -> list[dict]:
                 "attention_ms_one_thread": attn_1,
             }
         )
-        bar.step()
-    return rows
+    return rows, skipped
 
 
 # --------------------------------------------------------------------------- recall
@@ -203,7 +220,7 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
     total = len(preset.ns) + 2 * preset.seeds * preset.steps
     bar = Progress(total, "qkv lab rnn", progress)
     try:
-        rows = parallel(preset, bar)
+        rows, skipped = parallel(preset, bar)
         timed = time.perf_counter()
         with threads(1):
             memory = recall_curves(preset, seed, bar)
@@ -217,6 +234,7 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
         "preset": asdict(preset),
         "seed": seed,
         "parallel": rows,
+        "parallel_skipped": skipped,  # lengths not timed: the time budget was spent
         **memory,
         "task": {
             **asdict(TASK),
@@ -249,6 +267,7 @@ TEXT = {
             "(rule: attention ≥ {need}× as fast on all threads, the LSTM less)"
         ),
         "par_one": "  (torch runs on 1 thread here: no parallel speed-up to compare)",
+        "par_skipped": "  not timed: N = {ns} (the timing's budget of {budget:.0f} s was spent)",
         "rec": (
             "2. Recall at distance d: {keys} keys, {values} values (chance {chance:.0%}), "
             "{steps} training steps, {seeds} seed(s), {samples} test sequences of {length} "
@@ -279,6 +298,7 @@ TEXT = {
             "  论断：RNN 用不上并行硬件，注意力可以 → {verdict}（多线程对注意力的加速大于对 LSTM）"
         ),
         "par_one": "  （这里 torch 只用 1 个线程，无法比较并行加速）",
+        "par_skipped": "  未计时：N = {ns}（计时预算 {budget:.0f} 秒已用完）",
         "rec": (
             "2. 距离 d 处的回忆：{keys} 个键，{values} 个值（随机猜对 {chance:.0%}），"
             "训练 {steps} 步，{seeds} 个随机种子，每个 d 测试 {samples} 条长度 {length} 的序列"
@@ -337,6 +357,9 @@ def summary(doc: dict, lang: str = "en") -> str:
                 steps=f"{r['lstm_steps']}/{r['attention_steps']}",
             )
         )
+    if doc["parallel_skipped"]:
+        ns = ", ".join(str(n) for n in doc["parallel_skipped"])
+        lines.append(t("par_skipped", ns=ns, budget=p["budget_s"]))
     last = doc["parallel"][-1]
     if held["parallel"] is None:
         lines.append(t("par_one"))
