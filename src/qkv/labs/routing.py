@@ -6,7 +6,8 @@
    input position, against the distance between them, averaged over random weights and inputs.
    It says how much each input can change the output: a CNN sees exactly `layers` positions
    back, an LSTM's influence is relayed station by station, attention reaches every position
-   in one layer.
+   in one layer. Computed in float64, so that a gradient that fades is measured, not rounded
+   to zero.
 2. Routing. The attention model of the recall task (`recall.AttentionReader`), trained, then
    asked on fresh sequences: where its query reads from. Each sequence has its answer at
    another position; a content-driven router follows it, a fixed window could not.
@@ -130,9 +131,10 @@ def reach_rows(preset: Preset, seed: int, bar: Progress) -> list[dict]:
             total = torch.zeros(preset.length, dtype=torch.float64)
             for trial in range(preset.trials):
                 torch.manual_seed(seed * 1000 + trial)
-                model = make_model(kind, preset.width, layers)
-                x = torch.randn(preset.length, preset.width)
-                direction = torch.randn(preset.width)
+                # float64: an LSTM's gradient fades below float32's range within ~100 steps
+                model = make_model(kind, preset.width, layers).double()
+                x = torch.randn(preset.length, preset.width, dtype=torch.float64)
+                direction = torch.randn(preset.width, dtype=torch.float64)
                 direction /= direction.norm()
                 total += gradient_reach(model, x, direction).double()
             mean = (total / preset.trials).flip(0)  # index = distance from the last position
