@@ -6,7 +6,8 @@
   gradient vanishes and training stalls;
 - `routing`: how far information travels per layer in a CNN, an LSTM and attention, and where
   a trained attention model reads from;
-- `recall`: the synthetic recall task and the tiny models the labs train.
+- `recall`: the synthetic recall task and the tiny models the labs train;
+- `figures`: their PNGs; `common`: progress bar, threads, languages; `command`: `qkv lab`.
 
 Attention rollout (where information ends up after all layers) is `qkv.inspect.rollout`.
 Each lab module has `QUICK` and `FULL` presets, `run`, `summary` and `figure`; only torch is

@@ -431,50 +431,7 @@ def summary(doc: dict, lang: str = "en") -> str:
 
 
 def figure(doc: dict, path: str | Path | None = None):
-    """Time against N (log-log, all threads and one), accuracy against distance, and the
-    training loss of both models."""
-    from ..inspect.figures import new_figure, save
+    """The lab's PNG (`qkv.labs.figures.rnn`); returns the matplotlib Figure."""
+    from .figures import rnn as draw
 
-    fig = new_figure(15.0, 4.2)
-    left, mid, right = fig.subplots(1, 3)
-    models = (("lstm", "LSTM", "C3"), ("attention", "attention", "C0"))
-    par = doc["parallel"]
-    ns = [r["n"] for r in par]
-    for key, label, color in models:
-        many = f"{label}, {par[0]['threads']} threads"
-        left.loglog(ns, [r[f"{key}_ms"] for r in par], "o-", color=color, base=2, label=many)
-        one = [r[f"{key}_ms_one_thread"] for r in par]
-        left.loglog(ns, one, "o--", color=color, alpha=0.5, base=2, label=f"{label}, 1 thread")
-    left.set_xlabel("sequence length N (LSTM: N sequential steps; attention: 1)")
-    left.set_ylabel("forward+backward time (ms)")
-    left.set_title("parallelism: one layer, one sequence")
-    left.grid(True, which="both", alpha=0.3)
-    left.legend(fontsize=8)
-    ds = [r["distance"] for r in doc["recall"]]
-    for key, label, color in models:
-        params = doc["models"][key]["params"]
-        accs = [r[f"{key}_acc"] for r in doc["recall"]]
-        mid.plot(ds, accs, "o-", color=color, label=f"{label} ({params:,} parameters)")
-        for r in doc["recall"]:
-            runs = r[f"{key}_acc_by_seed"]
-            mid.plot([r["distance"]] * len(runs), runs, ".", color=color, alpha=0.35)
-    mid.axhline(doc["task"]["chance"], color="gray", linestyle=":", label="chance")
-    mid.set_xscale("log", base=2)
-    mid.set_ylim(0, 1.05)
-    mid.set_xlabel("distance d between the answer and the question")
-    mid.set_ylabel("test accuracy (dots: seeds)")
-    mid.set_title(f"recall after {doc['preset']['steps']} training steps")
-    mid.grid(True, alpha=0.3)
-    mid.legend(fontsize=8)
-    tr = doc["training"]
-    for key, label, color in models:
-        for i, curve in enumerate(tr["loss"][key]):
-            xs = [tr["every"] * (j + 1) for j in range(len(curve))]
-            right.plot(xs, curve, color=color, alpha=0.8, label=label if i == 0 else None)
-    right.set_yscale("log")
-    right.set_xlabel("training step")
-    right.set_ylabel(f"cross-entropy (mean of {tr['every']} steps)")
-    right.set_title("training, same batches for both")
-    right.grid(True, which="both", alpha=0.3)
-    right.legend(fontsize=8)
-    return save(fig, path)
+    return draw(doc, path)

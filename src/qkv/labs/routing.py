@@ -333,44 +333,7 @@ def summary(doc: dict, lang: str = "en") -> str:
 
 
 def figure(doc: dict, path: str | Path | None = None):
-    """Gradient against distance per model and depth, and the trained model's routes."""
-    from ..inspect.figures import new_figure, save
+    """The lab's PNG (`qkv.labs.figures.routing`); returns the matplotlib Figure."""
+    from .figures import routing as draw
 
-    depths = doc["preset"]["layers"]
-    fig = new_figure(4.2 * len(depths) + 5.5, 4.2)
-    axes = fig.subplots(1, len(depths) + 1)
-    colors = {"cnn": "C2", "lstm": "C3", "attention": "C0"}
-    for ax, layers in zip(axes, depths, strict=False):
-        for kind in MODELS:
-            pts = [
-                (r["distance"], r["grad_norm"])
-                for r in doc["gradient_reach"]
-                if r["model"] == kind and r["layers"] == layers and r["grad_norm"] > 0
-            ]
-            if pts:
-                ax.semilogy(*zip(*pts, strict=True), ".-", color=colors[kind], label=kind)
-        ax.set_xlabel("distance from the last position")
-        ax.set_ylabel("‖∂ output_last / ∂ input‖ (mean)")
-        ax.set_title(f"{layers} layer{'s' if layers > 1 else ''}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    ax = axes[-1]
-    r = doc["routing"]
-    n = r["length"]
-    rows = [list(reversed(ex["weights"])) for ex in r["examples"]]  # column = distance back
-    image = ax.imshow(rows, aspect="auto", cmap="viridis", vmin=0, vmax=1)
-    ax.plot(
-        [ex["distance"] for ex in r["examples"]],
-        range(len(rows)),
-        "o",
-        mfc="none",
-        mec="red",
-        ms=7,
-        label="the answer's position",
-    )
-    ax.set_xlabel(f"distance back from the query (0 = the query, {n} positions)")
-    ax.set_ylabel("test sequence")
-    ax.set_title(f"where the trained model reads ({r['weight_on_source']:.0%} on the answer)")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.colorbar(image, ax=ax, label="attention weight")
-    return save(fig, path)
+    return draw(doc, path)
