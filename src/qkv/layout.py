@@ -362,6 +362,8 @@ def _candidates(lo, hi, block_k: int, nkb: int) -> tuple[torch.Tensor, torch.Ten
     starts = torch.repeat_interleave(lo_t, count, output_size=total)
     first = torch.repeat_interleave(torch.cumsum(count, 0) - count, count, output_size=total)
     cols = starts + torch.arange(total) - first
+    if R == 1:  # one interval a row: already sorted, each tile once
+        return rows, cols
     keys = torch.unique(rows * nkb + cols)  # sorted: by row, then column
     return keys // nkb, keys % nkb
 
