@@ -41,6 +41,7 @@ def _mask(kind, q, k):
 
 
 def _run(backend, q, k, v, **kw):
+    kw = {"finite_inputs": True, **kw}  # the inputs are random normals: the promise holds
     if backend == "sdpa":
         plan = make_plan(q, k, v, **kw)
         why = KERNELS["sdpa"].why_not(plan, *(to_4d(t) for t in (q, k, v)))
@@ -122,7 +123,7 @@ def test_non_contiguous_inputs(backend):
     k = torch.randn(2, 23, 2, 16, generator=g).transpose(1, 2)
     v = torch.randn(2, 46, 2, 20, generator=g)[:, ::2].transpose(1, 2)[..., :12]  # strided
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    out = qkv.attention(q, k, v, causal=True, backend=backend)
+    out = qkv.attention(q, k, v, causal=True, backend=backend, finite_inputs=True)
     ref = qkv.attention(q, k, v, causal=True, backend="reference")
     assert_error_ratio(out, ref, golden(q, k, v, causal=True))
 

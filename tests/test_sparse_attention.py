@@ -108,11 +108,11 @@ def test_dropout_with_mask_equals_reference():
 
 def test_auto_sends_a_mask_to_tiled_and_says_why():
     q, k, v = make_qkv(B=1, H=2, Nq=40, D=8)
-    d = qkv.dispatch(q, k, v, mask=masks.sliding_window(4))
+    d = qkv.dispatch(q, k, v, mask=masks.sliding_window(4), finite_inputs=True)
     assert d.name == "tiled"
     assert "dense Nq×Nk mask" in d.reasons["sdpa"]
     # Asked for by name, sdpa runs it through the dense mask.
-    out = qkv.attention(q, k, v, mask=masks.sliding_window(4), backend="sdpa")
+    out = qkv.attention(q, k, v, mask=masks.sliding_window(4), backend="sdpa", finite_inputs=True)
     torch.testing.assert_close(out, _dense_reference(q, k, v, masks.sliding_window(4)))
 
 
@@ -121,8 +121,10 @@ def test_empty_tiles_are_never_computed():
     m = masks.sliding_window(16)
     q, k, v = make_qkv(B=1, H=1, Nq=n, D=4)
     be = TiledBackend(b, b, max_rows=b, max_cols=4 * b, fused=False)  # the loop, unmerged
-    kept_tiles = m.blocks(n, n, b, b).nnz
-    assert kept_tiles == 16 * 3 - 2  # the band: 3 tiles a row, 2 at the ends
+    lay = m.blocks(n, n, b, b)
+    assert lay.nnz == 16 * 3 - 2  # the band: 3 tiles a row, 2 at the ends
     with FlopCounterMode(display=False) as counter:
         qkv.attention(q, k, v, mask=m, backend=be)
-    assert counter.get_total_flops() == kept_tiles * 2 * (2 * b * b * 4)  # Q Kᵀ and P V
+    # Q Kᵀ and P V on the kept tiles, and the partial tiles' count of non-finite values
+    partial = int((~lay.full).sum())
+    assert counter.get_total_flops() == (lay.nnz * 2 + partial) * (2 * b * b * 4)

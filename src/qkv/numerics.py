@@ -81,3 +81,52 @@ def no_double_backward(backend: str) -> None:
             f"differentiated (create_graph=True: double backward, gradient penalties, "
             f"gradgradcheck); use backend='reference', whose gradient is autograd's"
         )
+
+
+_COUNT = 256  # guarded columns per product: counts of NaN/+inf/−inf stay exact in float32
+
+
+def guarded_pv(
+    p: torch.Tensor, v: torch.Tensor, guarded: tuple[tuple[int, int], ...] | None
+) -> torch.Tensor:
+    """`p @ v` where, in the column ranges `guarded` (all columns when None), a value whose
+    weight is exactly 0 (masked, dropped) never reaches the result through `0 · NaN`, without
+    reading values to decide: those columns multiply v with its NaN/inf zeroed, and one more
+    product counts, per output element, the NaN, +inf and −inf values seen with a positive
+    weight, which are put back with IEEE semantics (any NaN, or +inf with −inf: NaN). Other
+    columns are a plain product: every row sees every one of their keys, and a NaN there
+    rightly reaches it.
+
+    p: `(..., M, N)`, v: `(..., N, Dv)`; guarded: `(start, stop)` column ranges."""
+    n = p.shape[-1]
+    spans = [(0, n)] if guarded is None else [g for g in guarded if g[1] > g[0]]
+    pieces, at = [], 0
+    for a, b in spans:
+        if a > at:
+            pieces.append((at, a, False))
+        for c in range(a, b, _COUNT - 1):
+            pieces.append((c, min(c + _COUNT - 1, b), True))
+        at = b
+    if at < n:
+        pieces.append((at, n, False))
+    out = None
+    for a, b, guard in pieces:
+        pp, vv = p[..., a:b], v[..., a:b, :]
+        if not guard:
+            part = pp @ vv
+        else:
+            part = pp @ torch.nan_to_num(vv, nan=0.0, posinf=0.0, neginf=0.0)
+            code = torch.isnan(vv).to(p.dtype)
+            code += torch.isposinf(vv).to(p.dtype) * _COUNT
+            code += torch.isneginf(vv).to(p.dtype) * _COUNT**2
+            counts = (pp > 0).to(p.dtype) @ code  # exact: < 2**24 for ≤ 255 columns
+            n_neg = torch.div(counts, _COUNT**2, rounding_mode="floor")
+            n_pos = torch.div(counts - n_neg * _COUNT**2, _COUNT, rounding_mode="floor")
+            n_nan = counts - n_neg * _COUNT**2 - n_pos * _COUNT
+            part = torch.where(n_pos > 0, torch.inf, part)
+            part = torch.where(n_neg > 0, -torch.inf, part)
+            part = torch.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), torch.nan, part)
+        out = part if out is None else out.add_(part)
+    if out is None:
+        return p.new_zeros((*p.shape[:-1], v.shape[-1]))
+    return out

@@ -39,7 +39,9 @@ class AttentionPlan:
     layout: BlockLayout | None  # a layout the caller built and passed as the mask (held)
     score_mod: ScoreMod | None  # applied to the scaled scores before masking
     dropout_p: float  # probability of dropping an attention weight
-    dropout_seed: int | None  # seed of the counter-based dropout mask; None when dropout_p == 0
+    dropout_seed: int | torch.Tensor | None  # dropout mask's seed (an int64 0-dim tensor when
+    # drawn from torch's RNG: no host sync); None when dropout_p == 0
+    finite_inputs: bool  # the caller promises k and v hold no NaN/inf (see qkv.attention)
     return_lse: bool  # the caller wants lse
     return_weights: bool  # the caller wants the attention matrix A
     wants_grad: bool  # autograd will differentiate the result (grad mode, an input requires it)
@@ -59,10 +61,11 @@ class AttentionPlan:
 
     @property
     def has_masking(self) -> bool:
-        """True when some (query, key) pair may be excluded from the softmax."""
-        if self.causal or self.mask is not None or self.mask_rule is not None:
-            return True
-        return self.bias is not None and bool(torch.isneginf(self.bias).any())
+        """True when some (query, key) pair may be excluded from the softmax (a float bias
+        counts: it may hold −inf; decided on metadata, never by reading values)."""
+        return self.causal or any(
+            x is not None for x in (self.mask, self.bias, self.mask_rule, self.layout)
+        )
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -147,7 +150,8 @@ def make_plan(
     return_lse: object = False,
     return_weights: object = False,
     score_mod: object = None,
-    dropout_seed: int | None = None,
+    dropout_seed: int | torch.Tensor | None = None,
+    finite_inputs: object = False,
 ) -> AttentionPlan:
     """Check every argument of `qkv.attention` and build the plan (see its docstring)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -241,9 +245,12 @@ def make_plan(
                 f"score_mod {score_mod!r} is written for {score_mod.heads} heads, got H={H}"
             )
     if p > 0 and dropout_seed is None:
-        # Drawn from torch's RNG on q's device, so torch.manual_seed makes dropout repeatable.
+        # Drawn from torch's RNG on q's device, so torch.manual_seed makes dropout repeatable;
+        # kept as a tensor, so drawing it needs no host sync (and no graph break).
         gen_device = q.device if q.device.type != "meta" else "cpu"
-        dropout_seed = int(torch.randint(0, 2**62, (1,), device=gen_device).item())
+        dropout_seed = torch.randint(0, 2**62, (1,), device=gen_device)[0]
+    if not isinstance(finite_inputs, bool):
+        raise TypeError(f"finite_inputs must be a bool, got {_describe(finite_inputs)}")
     return AttentionPlan(
         batch=B,
         heads=H,
@@ -262,6 +269,7 @@ def make_plan(
         score_mod=score_mod,
         dropout_p=p,
         dropout_seed=dropout_seed if p > 0 else None,
+        finite_inputs=finite_inputs,
         return_lse=return_lse,
         return_weights=return_weights,
         wants_grad=torch.is_grad_enabled()

@@ -73,9 +73,9 @@ def _check(q, k, v, dtype, be=FUSED, **kw):
     gradients of `be` against the fp64 golden (dense mask, reference)."""
     nq, nk = q.shape[-2], k.shape[-2]
     m = kw.pop("mask")
-    with torch.no_grad():
-        out_inference = qkv.attention(q, k, v, mask=m, backend=be, **kw)
-    out = qkv.attention(q, k, v, mask=m, backend=be, **kw)
+    with torch.no_grad():  # the inputs are finite: the fused path may run
+        out_inference = qkv.attention(q, k, v, mask=m, backend=be, finite_inputs=True, **kw)
+    out = qkv.attention(q, k, v, mask=m, backend=be, finite_inputs=True, **kw)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     dense = m.dense4(nq, nk)
@@ -156,7 +156,7 @@ def test_fully_masked_rows_give_zero_and_neg_inf():
     q, k, v = make_qkv(B=3, H=2, Nq=n, D=8, dtype=torch.float64, requires_grad=True)
     # Row 5 (a "global" token under ~) sees nothing; batch element 2 has no real key at all.
     m = (masks.sliding_window(3) & ~masks.global_tokens([5])) & masks.padding([n, 9, 0])
-    out, lse = qkv.attention(q, k, v, mask=m, backend=FUSED, return_lse=True)
+    out, lse = qkv.attention(q, k, v, mask=m, backend=FUSED, return_lse=True, finite_inputs=True)
     dense = m.dense4(n, n)
     ref, ref_lse = qkv.attention(q, k, v, mask=dense, backend="reference", return_lse=True)
     empty = ~dense.expand(3, 2, n, n).any(-1)  # (B, H, Nq)
@@ -180,7 +180,9 @@ def test_rows_no_strip_computes_are_zero_and_neg_inf():
     plan = qkv.plan.make_plan(q, k, v, mask=m)
     assert fused_mod.schedule(plan, 8, 8, FUSED.fused).uncovered.tolist() == list(range(16))
     for _ in range(2):  # the second call reuses the cached schedule (and maybe freed memory)
-        out, lse = qkv.attention(q, k, v, mask=m, backend=FUSED, return_lse=True)
+        out, lse = qkv.attention(
+            q, k, v, mask=m, backend=FUSED, return_lse=True, finite_inputs=True
+        )
         assert (out[:, :, :16] == 0).all() and torch.isneginf(lse[:, :, :16]).all()
     ref = qkv.attention(q, k, v, mask=m.dense4(n, n), backend="reference")
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
@@ -236,7 +238,7 @@ def test_no_nq_by_nk_tensor():
         (dict(dropout_p=0.2), "dropout"),
         (dict(score_mod=qkv.scores.softcap(5.0)), "score modifiers"),
         (dict(dv=6), "Dv == D"),
-        (dict(nan_v=True), "non-finite"),
+        (dict(nan_v=True), "NaN/inf"),
     ],
     ids=["dropout", "score_mod", "dv", "nan"],
 )
@@ -265,13 +267,14 @@ def test_inference_runs_fused_training_runs_the_loop(monkeypatch, dtype):
     q, k, v = make_qkv(B=1, H=2, Nq=30, D=4, dtype=dtype, requires_grad=True)
     m = masks.sliding_window(5)
     with torch.no_grad():
-        qkv.attention(q, k, v, mask=m, backend="tiled")
-        assert TiledBackend().fused_reason(qkv.plan.make_plan(q, k, v, mask=m), q, k, v) is None
+        qkv.attention(q, k, v, mask=m, backend="tiled", finite_inputs=True)
+        plan = qkv.plan.make_plan(q, k, v, mask=m, finite_inputs=True)
+        assert TiledBackend().fused_reason(plan, q, k, v) is None
     assert calls["fwd"] > 0 and calls["loop"] == 0
     fwd = calls["fwd"]
-    out = qkv.attention(q, k, v, mask=m, backend="tiled")  # a gradient will be taken
+    out = qkv.attention(q, k, v, mask=m, backend="tiled", finite_inputs=True)  # with grad
     assert calls["fwd"] == fwd and calls["loop"] == 1 and calls["bwd"] == 0
-    plan = qkv.plan.make_plan(q, k, v, mask=m)
+    plan = qkv.plan.make_plan(q, k, v, mask=m, finite_inputs=True)
     assert "gradients" in TiledBackend().fused_reason(plan, q, k, v)
     out.float().sum().backward()
     assert calls["bwd"] == 1 and q.grad is not None and q.grad.abs().sum() > 0

@@ -23,7 +23,7 @@ import torch
 from ..kernels.steps import RowStats, TileProblem, Tiling, backward_loop, fold_run
 from ..layout import build, layout_for
 from ..masks import Mask
-from ..numerics import all_finite, row_dot
+from ..numerics import row_dot
 from ..plan import make_plan
 from .layout import Segment, segments
 
@@ -147,7 +147,6 @@ def forward(
     plan = T.plan
     B, Hkv, G, D, Dv = plan.batch, plan.kv_heads, plan.groups, plan.head_dim, plan.v_dim
     qs = q.reshape(B, Hkv, G, plan.q_len, D)  # (B, Hkv, G, n, D)
-    v_finite = all_finite(v)
     base = block.q.local
     for strip in T.forward_strips():
         i0, i1 = strip.start, strip.stop  # rows of the block
@@ -158,7 +157,7 @@ def forward(
         l = state.l[..., r0:r1].reshape(B, Hkv, G * n, 1).clone()
         acc = state.acc[..., r0:r1, :].reshape(B, Hkv, G * n, Dv).clone()
         for run in strip.runs:
-            m, l, acc = fold_run(T, q_t, k, v, i0, i1, run, m, l, acc, v_finite)
+            m, l, acc = fold_run(T, q_t, k, v, i0, i1, run, m, l, acc)
         state.m[..., r0:r1] = m.view(B, Hkv, G, n)
         state.l[..., r0:r1] = l.view(B, Hkv, G, n)
         state.acc[..., r0:r1, :] = acc.view(B, Hkv, G, n, Dv)

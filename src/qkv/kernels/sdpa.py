@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..numerics import all_finite, causal_allowed
+from ..numerics import causal_allowed
 from ..plan import AttentionPlan
 from .base import Result
 
@@ -48,10 +48,10 @@ class SdpaBackend:
             return f"this torch ({torch.__version__}) SDPA has no enable_gqa"
         if plan.bias is not None and plan.bias.dtype != plan.dtype:
             return f"torch SDPA needs a float mask of q's dtype {plan.dtype}, got {plan.bias.dtype}"
-        if plan.has_masking and not (all_finite(k) and all_finite(v)):
+        if plan.has_masking and not plan.finite_inputs:
             return (
-                "k or v holds NaN/inf and some positions are masked: torch SDPA would leak "
-                "them into the output (0 · NaN)"
+                "some pairs are masked and k/v may hold NaN/inf there, which torch SDPA would "
+                "let through (0 · NaN); pass finite_inputs=True if they cannot"
             )
         return None
 

@@ -38,7 +38,7 @@ import torch
 
 from ..dropout import keep_mask, keep_scale
 from ..layout import BlockLayout, Strip, allowed, layout_for
-from ..numerics import all_finite, two_float, weighted_values
+from ..numerics import guarded_pv, two_float
 from ..plan import AttentionPlan
 
 LOG2E = 1.0 / math.log(2.0)
@@ -174,7 +174,6 @@ def fold_run(
     m: torch.Tensor | None,
     l: torch.Tensor | None,
     acc: torch.Tensor | None,
-    v_finite: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step of the online softmax: fold the run of kept key tiles `run` into the running
     max `m`, denominator `l` and numerator `acc` of query rows i0:i1 (`q_t (B, Hkv, G·n, D)`);
@@ -192,7 +191,10 @@ def fold_run(
     l_run = s.sum(dim=-1, keepdim=True)
     if plan.dropout_p > 0:
         s5.mul_(T.keep(i0, i1, j0, j1)).mul_(keep_scale(plan.dropout_p))
-    pv = weighted_values(s, v[:, :, j0:j1], v_finite)
+    # A NaN/inf in a masked (or dropped) value must not reach a row: the columns of partial
+    # tiles (all of them under dropout) are guarded; in full tiles every row sees every key.
+    guarded = None if plan.dropout_p > 0 else tuple((a - j0, b - j0) for a, b in run.partial)
+    pv = guarded_pv(s, v[:, :, j0:j1], guarded)
     if m is None:
         return m_new, l_run, pv
     alpha = torch.exp(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
@@ -229,7 +231,6 @@ def forward_loop(
     lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
     qs = q.to(cdt).reshape(B, Hkv, G, Nq, D)  # (B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)  # (B, Hkv, Nk, D), (B, Hkv, Nk, Dv); no copy for fp32/64
-    v_finite = all_finite(vc)
     # Rows that no strip covers (every tile empty) keep output 0 and lse −inf.
     out = torch.zeros(B, Hkv, G, Nq, Dv, dtype=plan.dtype, device=q.device)
     lse = torch.full((B, Hkv, G, Nq), -torch.inf, dtype=lse_dtype, device=q.device)
@@ -241,7 +242,7 @@ def forward_loop(
         q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)  # (B, Hkv, G*n, D)
         m = l = acc = None
         for run in strip.runs:
-            m, l, acc = fold_run(T, q_t, kc, vc, i0, i1, run, m, l, acc, v_finite)
+            m, l, acc = fold_run(T, q_t, kc, vc, i0, i1, run, m, l, acc)
         empty = l == 0
         l_safe = torch.where(empty, 1.0, l)
         out[:, :, :, i0:i1] = (acc / l_safe).view(B, Hkv, G, n, Dv)
@@ -313,11 +314,10 @@ def backward_loop(
     wide = torch.float64
     qs = q.to(cdt).reshape(B, Hkv, G, Nq, D)
     kc, vc = k.to(cdt), v.to(cdt)
-    # Garbage in masked-out keys/values must not turn 0-weight gradients into NaN.
-    if not all_finite(kc):
-        kc = torch.nan_to_num(kc, nan=0.0, posinf=0.0, neginf=0.0)
-    if not all_finite(vc):
-        vc = torch.nan_to_num(vc, nan=0.0, posinf=0.0, neginf=0.0)
+    # Garbage in masked-out keys/values must not turn 0-weight gradients into NaN: the
+    # backward reads them with NaN/inf zeroed (a copy; it never reads values to decide).
+    kc = torch.nan_to_num(kc, nan=0.0, posinf=0.0, neginf=0.0)
+    vc = torch.nan_to_num(vc, nan=0.0, posinf=0.0, neginf=0.0)
     if dout is None:
         do5 = torch.zeros(B, Hkv, G, Nq, Dv, dtype=cdt, device=q.device)
     else:

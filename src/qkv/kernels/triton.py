@@ -44,7 +44,7 @@ from ..cache import CACHE
 from ..dropout import keep_scale
 from ..layout import BlockLayout, allowed, layout_for
 from ..masks import Mask
-from ..numerics import all_finite, no_double_backward, row_dot, two_float
+from ..numerics import no_double_backward, row_dot, two_float
 from ..plan import AttentionPlan
 from .base import Result
 
@@ -330,12 +330,12 @@ class _Call:
             self.table = spec.table.detach().to(q.device).contiguous()
         self.drop = None
         if plan.dropout_p > 0:
-            seed = plan.dropout_seed
+            # [seed & 0xFFFFFFFF, seed >> 32, threshold], built on the device from the seed
+            # (a tensor when drawn from torch's RNG: no host sync)
+            seed = torch.as_tensor(plan.dropout_seed, dtype=torch.int64, device=q.device)
             thresh = min(int(plan.dropout_p * 2**32 + 0.5), 2**32)
-            self.drop = torch.tensor(
-                [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, thresh],
-                dtype=torch.int64,
-                device=q.device,
+            self.drop = torch.stack(
+                [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, torch.full_like(seed, thresh)]
             )
 
     @property
@@ -633,10 +633,11 @@ class TritonBackend:
                 mod_spec(plan.score_mod)
             except _Unsupported as e:
                 return str(e)
-        if plan.has_masking and not (all_finite(k) and all_finite(v)):
+        if plan.has_masking and not plan.finite_inputs:
             return (
-                "k or v holds NaN/inf and some positions are masked: a masked value would reach "
-                "the output through 0 · NaN inside the kernel's matmul"
+                "some pairs are masked and k/v may hold NaN/inf there, which would reach the "
+                "output through 0 · NaN in the kernel's matmul; pass finite_inputs=True if they "
+                "cannot"
             )
         return None
 
