@@ -492,6 +492,8 @@ def attention_forward(
         return_lse=s_aux is not None,
         return_weights=want_weights,
         score_mod=None if softcap is None else scores.softcap(float(softcap)),
+        # the model's own projections: a padded or unused position holds a finite value
+        finite_inputs=True,
     )
     parts = list(result) if isinstance(result, tuple) else [result]
     out = parts.pop(0)

@@ -70,7 +70,9 @@ class SelfAttention(nn.Module):
             Q, K, V = Q + self.b_q, K + self.b_k, V + self.b_v
         if x.dim() == 3:  # one head: (B, N, d) → (B, 1, N, d)
             Q, K, V = Q.unsqueeze(1), K.unsqueeze(1), V.unsqueeze(1)
-        res = attention(Q, K, V, mask=mask, causal=causal, return_weights=return_weights)
+        res = attention(
+            Q, K, V, mask=mask, causal=causal, return_weights=return_weights, finite_inputs=True
+        )
         if not return_weights:
             return res.squeeze(1) if x.dim() == 3 else res
         out, weights = res
@@ -87,8 +89,10 @@ class Local:
         return torch.arange(start, start + n, device=device)
 
     def attention(self, q, k, v, *, cross: bool = False, cache: bool = False, **kwargs):
-        """`qkv.attention(q, k, v, **kwargs)`; `cross`/`cache` say what the module is doing."""
-        return attention(q, k, v, **kwargs)
+        """`qkv.attention(q, k, v, **kwargs)`; `cross`/`cache` say what the module is doing.
+        The keys and values are the module's own projections (a KVCache's unused slots are
+        zeros), so it promises `finite_inputs`: masked slots hold no garbage of their own."""
+        return attention(q, k, v, finite_inputs=True, **kwargs)
 
 
 LOCAL = Local()
