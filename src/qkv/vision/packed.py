@@ -1,0 +1,168 @@
+"""Packed vision attention: images (or windows) of different sizes in ONE qkv call.
+
+A vision encoder packs the patches of all its images end to end, `(N, H, D)`, and attention runs
+within each image (or window) only, as `cu_seqlens` delimits them. transformers runs that as one
+attention call per segment in a Python loop unless the backend is flash attention. Here it is
+one `qkv.attention` call, forward and backward, in one of two layouts:
+
+- **padded** (many segments of similar length, such as 112-pixel windows): the segments become
+  the batch of a `(S, H, L, D)` problem, L the longest segment, gathered from the packed rows
+  (no copy at all when every segment has length L), with a key-padding mask `(S, 1, 1, L)`:
+  O(S·L), never N². Padded query rows are computed and dropped. `auto` runs it on torch SDPA.
+- **varlen** (a few segments of very different lengths, such as whole images): the packed
+  sequence as one `(1, H, N, D)` problem under `qkv.masks.varlen(cu_seqlens, cu_seqlens)`, whose
+  tile layout is block diagonal: the tiled kernel computes only the tiles of each segment.
+
+`layout="auto"` takes padded when padding adds at most `PADDED_WASTE` (12.5%) to the work
+Σ L_s², else varlen. Either is exact: it equals running every segment alone (the tests compare
+forward and gradients with the per-segment reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks
+from ..functional import attention
+from ..kernels import TiledBackend
+from ..kernels.fused import FusedStrips
+
+LAYOUTS = ("auto", "padded", "varlen")
+PADDED_WASTE = 1.125  # padded when S·L² ≤ this × Σ L_s²
+
+# The varlen layout's tiles. Segments here are whole images of thousands of patches: query strips
+# of 512 rows on torch's fused kernel run a long segment nearly as fast as one SDPA call over it,
+# where the default 64-row strips pay per-strip overhead on every one of them.
+VARLEN_BACKEND = TiledBackend(fused=FusedStrips(rows=512, wide=1 << 20))
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """How packed segments are laid out for one call (a function of the lengths only)."""
+
+    layout: str  # "padded" or "varlen"
+    lengths: tuple[int, ...]  # non-empty segment lengths, in order
+    total: int  # N
+    longest: int  # L
+
+    @property
+    def work(self) -> int:
+        """Σ L_s²: the (query, key) pairs the segments hold."""
+        return sum(n * n for n in self.lengths)
+
+    @property
+    def padded_work(self) -> int:
+        """S · L²: the pairs the padded layout computes."""
+        return len(self.lengths) * self.longest**2
+
+
+def _check_cu(cu_seqlens: object, total: int) -> list[int]:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise TypeError(f"cu_seqlens must be an int32/int64 tensor, got {cu_seqlens!r}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with ≥ 1 entry, got {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {cu[:8]}")
+    if cu[-1] != total:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]}, but the packed tensors hold {total} rows")
+    return [b - a for a, b in itertools.pairwise(cu)]
+
+
+def plan_layout(cu_seqlens: torch.Tensor, total: int, layout: str = "auto") -> PackedLayout:
+    """Choose the layout for segments delimited by `cu_seqlens` (see the module docstring)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    lengths = tuple(n for n in _check_cu(cu_seqlens, total) if n > 0)
+    longest = max(lengths, default=0)
+    plan = PackedLayout("padded", lengths, total, longest)
+    if layout == "auto":
+        layout = "padded" if plan.padded_work <= PADDED_WASTE * plan.work else "varlen"
+    return PackedLayout(layout, lengths, total, longest)
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    layout: str = "auto",
+    backend: object = "auto",
+) -> torch.Tensor:
+    """Attention within each packed segment, in one `qkv.attention` call.
+
+    Args:
+        q: `(N, H, D)`, the tokens of all segments end to end (FlashAttention's varlen layout,
+            what a vision encoder's attention holds); k: `(N, Hkv, D)`; v: `(N, Hkv, Dv)`.
+        cu_seqlens: int `(S + 1,)`: segment s owns rows `cu_seqlens[s] … cu_seqlens[s+1]`
+            (transformers' `cu_seqlens` of a Qwen2-VL / Qwen2.5-VL vision block).
+        scale: multiplies Q Kᵀ (default 1/√D).
+        layout: "auto", "padded" or "varlen" (module docstring).
+        backend: passed to `qkv.attention` ("auto": SDPA for padded; for varlen the tiled
+            backend with 512-row strips, `VARLEN_BACKEND`).
+
+    Returns:
+        `(N, H, Dv)`, each row attending to the keys of its own segment; differentiable.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape (total_tokens, heads, dim), got {got}")
+    N = q.shape[0]
+    if k.shape[0] != N or v.shape[0] != N:
+        raise ValueError(
+            f"q, k and v must hold the same tokens, got {N}, {k.shape[0]} and {v.shape[0]} rows"
+        )
+    plan = plan_layout(cu_seqlens, N, layout)
+    if N == 0:
+        return q.new_zeros(0, q.shape[1], v.shape[2])
+    if plan.layout == "varlen":
+        rule = _varlen_mask(tuple(cu_seqlens.tolist()))
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, N, D) views
+        out = attention(
+            q4,
+            k4,
+            v4,
+            mask=rule,
+            scale=scale,
+            backend=VARLEN_BACKEND if backend == "auto" else backend,
+        )
+        return out[0].transpose(0, 1)
+    return _padded(q, k, v, plan, scale, backend)
+
+
+@functools.lru_cache(maxsize=8)
+def _varlen_mask(cu: tuple[int, ...]) -> masks.Mask:
+    """One Mask object per distinct `cu_seqlens`, so that the tiled kernel's schedule cache (kept
+    per Mask) serves every block of an encoder that reuses the same segments."""
+    t = torch.tensor(cu, dtype=torch.long)
+    return masks.varlen(t, t)
+
+
+def _padded(q, k, v, plan: PackedLayout, scale, backend) -> torch.Tensor:
+    S, L, H, Dv = len(plan.lengths), plan.longest, q.shape[1], v.shape[2]
+    lengths = torch.tensor(plan.lengths, device=q.device)
+    if plan.total == S * L:  # every segment has length L: a view, no copy
+        qb, kb, vb = (t.view(S, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        out = attention(qb, kb, vb, scale=scale, backend=backend)  # (S, H, L, Dv)
+        return out.transpose(1, 2).reshape(plan.total, H, Dv)
+    starts = torch.cumsum(lengths, 0) - lengths
+    j = torch.arange(L, device=q.device)
+    real = j < lengths[:, None]  # (S, L)
+    # padded slots read their segment's first row: finite, and masked out as keys
+    rows = torch.where(real, starts[:, None] + j, starts[:, None]).reshape(-1)
+    qb, kb, vb = (
+        t.index_select(0, rows).view(S, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)
+    )
+    out = attention(qb, kb, vb, mask=real[:, None, None, :], scale=scale, backend=backend)
+    out = out.transpose(1, 2).reshape(S * L, H, Dv)  # (S·L, H, Dv), padded order
+    return out[real.reshape(-1)]  # the real rows, which are in packed order
