@@ -13,6 +13,7 @@ from .masks import Mask
 from .plan import AttentionPlan
 from .scores import ScoreMod
 from .varlen import attention_varlen
+from .vision.received import received_attention
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "dispatch",
     "kernels",
     "masks",
+    "received_attention",
     "reference",
     "scores",
 ]
