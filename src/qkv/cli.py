@@ -3,7 +3,8 @@
 - `qkv explain`: the textbook walk-through on real numbers;
 - `qkv attend TEXT --token WORD`: where a word looks in the real all-MiniLM-L6-v2;
 - `qkv bench`: the cost curve, time and memory against N;
-- `qkv demo`: all three, written to a folder with a report.
+- `qkv demo`: all three, written to a folder with a report;
+- `qkv tokens --image WxH`: how many tokens an image costs (`qkv.vision.report`).
 
 Bad input ends with a one-line message on stderr and a non-zero exit code, never a traceback:
 2 for a bad argument or a request the input cannot answer, 1 for a missing optional package.
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     de = sub.add_parser("demo", help="explain, attend and bench, written to a folder")
     de.add_argument("--out", default="qkv-demo", help="the folder (default qkv-demo)")
     de.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    _tokens().add_arguments(sub)
     return ap
 
 
@@ -83,6 +86,12 @@ def _bench():
     from .inspect import bench
 
     return bench
+
+
+def _tokens():
+    from .vision import report
+
+    return report
 
 
 class _Refused(Exception):
@@ -164,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             from .inspect import demo
 
             demo.run(args.out, progress=not args.no_progress)
+        elif args.command == "tokens":
+            try:
+                _tokens().run(args)
+            except ValueError as e:
+                raise _Refused(str(e)) from None
     except _Refused as e:
         print(f"qkv {args.command}: error: {e}", file=sys.stderr)
         return USAGE_ERROR

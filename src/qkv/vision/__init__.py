@@ -10,7 +10,8 @@
 
 Modules: `tokens` (counts and attention cost), `mrope` (M-RoPE ids and rotation, 2-D RoPE),
 `windows` (Qwen2.5-VL window partition), `packed` (packed attention in one call), `tome` (token
-merging, proportional attention), `received` (received attention, pruning).
+merging, proportional attention), `received` (received attention, pruning), `report` (the
+`qkv tokens` command's text and plot). docs/vision.md walks through all of it.
 """
 
 from .mrope import (
