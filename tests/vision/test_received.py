@@ -42,7 +42,7 @@ def band(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("Nq,Nk", [(1, 1), (17, 17), (97, 97), (33, 70), (255, 255)])
+@pytest.mark.parametrize("Nq,Nk", [(1, 1), (17, 17), (97, 97), (33, 70), (70, 33), (255, 255)])
 def test_dense_and_causal(band, Nq, Nk):
     q, k, _ = make_qkv(B=2, H=6, Hkv=2, Nq=Nq, Nk=Nk, D=16, seed=Nq)
     got = _check(q, k)
@@ -107,8 +107,8 @@ def test_memory_is_a_band_not_the_matrix(monkeypatch):
     seen = []
     real = received._band
 
-    def spy(plan, qb, kt, lse4, b, r0, r1, c0, c1):
-        p = real(plan, qb, kt, lse4, b, r0, r1, c0, c1)
+    def spy(*args):
+        p = real(*args)
         seen.append(p.numel() * 4)
         return p
 

@@ -10,8 +10,8 @@ are computed a band of query rows at a time::
 
 The band holds whole rows (all the keys a row may see), so its softmax is final and one pass
 over the scores suffices; every head of a batch element runs in the same few large operations
-(one batched product, one softmax, one sum per band). Memory is one band of scores and its
-weights (`BAND_BYTES`, 16 MiB, each) plus the `(B, H, Nk)` result, whatever N is. Given the
+(one batched product, one softmax in place, one sum per band). Memory is one band of scores
+(`BAND_BYTES`, 32 MiB) plus the `(B, H, Nk)` result, whatever N is. Given the
 lse that `qkv.attention(..., return_lse=True)` returned, a band's weights are `exp(S − lse)`
 and the normalisation is skipped.
 """
@@ -26,7 +26,7 @@ from ..masks import EMPTY, Mask
 from ..numerics import causal_allowed
 from ..plan import AttentionPlan, from_4d, make_plan, to_4d
 
-BAND_BYTES = 16 * 2**20  # scores of one band of query rows (all heads of a batch element)
+BAND_BYTES = 32 * 2**20  # scores of one band of query rows (all heads of a batch element)
 TILE = 64  # key tile of the mask layout that bounds a band's keys
 
 
@@ -54,8 +54,8 @@ def received_attention(
         float64 inputs), not differentiable. Rows that may attend nowhere contribute 0. Each
         row's weights sum to 1, so the result sums to the number of rows that attend somewhere.
 
-    Memory beyond the inputs: the scores of one band of rows of all heads (`BAND_BYTES`), its
-    weights, and the result: O(N) for a fixed band.
+    Memory beyond the inputs: the scores of one band of rows of all heads (`BAND_BYTES`) and
+    the result: O(N) for a fixed band.
     """
     # Validate exactly as qkv.attention does (k stands in for v: the shapes it checks agree).
     plan = make_plan(q, k, k, mask=mask, causal=causal, scale=scale)
@@ -72,15 +72,19 @@ def received_attention(
         lse4 = torch.where(torch.isneginf(lse4), math.inf, lse4)  # a row with no key: weights 0
     # Bands add up in float64: (B, H, Nk) only, and many bands summed in fp32 lose digits.
     total = torch.zeros(B, H, Nk, dtype=torch.float64, device=q.device)
-    if Nq > 0 and Nk > 0:
+    spans = _band_spans(plan) if Nq > 0 and Nk > 0 else []
+    if spans:
         G = plan.groups
+        # one buffer for every band's scores, reused: fresh pages would fault on every band
+        size = max(H * (r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in spans)
+        buf = torch.empty(size, dtype=cdt, device=q.device)
         with torch.no_grad():
             for b in range(B):
                 # (Hkv, G·Nq, D): the G query heads of a key head side by side, as rows
                 qb = q4[b].to(cdt).reshape(plan.kv_heads, G * Nq, -1)
                 kt = k4[b].to(cdt).transpose(-1, -2)  # (Hkv, D, Nk)
-                for r0, r1, c0, c1 in _band_spans(plan):
-                    p = _band(plan, qb, kt, lse4, b, r0, r1, c0, c1)  # (H, n, w)
+                for r0, r1, c0, c1 in spans:
+                    p = _band(plan, qb, kt, lse4, b, r0, r1, c0, c1, buf)  # (H, n, w)
                     total[b, :, c0:c1] += p.sum(1)
     return from_4d(total.to(cdt).unsqueeze(2), plan.input_rank)[..., 0, :]
 
@@ -130,26 +134,40 @@ def _band(
     r1: int,
     c0: int,
     c1: int,
+    buf: torch.Tensor,
 ) -> torch.Tensor:
     """The attention weights of rows r0:r1 on keys c0:c1 of every head of batch element b,
-    `(H, r1 − r0, c1 − c0)`."""
+    `(H, r1 − r0, c1 − c0)`, computed in `buf`."""
     Hkv, G, Nq = plan.kv_heads, plan.groups, plan.q_len
     n, w = r1 - r0, c1 - c0
     # rows r0:r1 of every query head: (Hkv, G·n, D)
     q_band = qb.view(Hkv, G, Nq, -1)[:, :, r0:r1].reshape(Hkv, G * n, -1)
-    s = torch.bmm(q_band, kt[:, :, c0:c1]).mul_(plan.scale)  # as the reference rounds them
+    s = buf[: plan.heads * n * w].view(Hkv, G * n, w)
+    torch.baddbmm(s, q_band, kt[:, :, c0:c1], beta=0, alpha=plan.scale, out=s)  # scaled scores
     s = s.view(plan.heads, n, w)
-    allowed = _allowed(plan, b, r0, r1, c0, c1, s.device)
     if plan.bias is not None:
         s.add_(_cut(plan.bias, b, r0, r1, c0, c1).to(s.dtype))
-    if allowed is not None:
-        s.masked_fill_(~allowed, -math.inf)
+    empty_rows = plan.bias is not None or plan.mask is not None or plan.mask_rule is not None
+    if plan.causal and not empty_rows:
+        # Only keys past the band's first row can be hidden: mask that triangle, not the band.
+        d0 = max(c0, r0 + plan.causal_offset + 1)
+        if d0 < c1:
+            rows = torch.arange(r0, r1, device=s.device).unsqueeze(1)
+            cols = torch.arange(d0, c1, device=s.device)
+            s[..., d0 - c0 :].masked_fill_(
+                ~causal_allowed(rows, cols, plan.causal_offset), -math.inf
+            )
+        empty_rows = r0 + plan.causal_offset < 0  # Nq > Nk: the first rows see no key
+    else:
+        allowed = _allowed(plan, b, r0, r1, c0, c1, s.device)
+        if allowed is not None:
+            s.masked_fill_(~allowed, -math.inf)
     if lse4 is not None:
         return s.sub_(lse4[b, :, r0:r1, None]).exp_()
-    p = torch.softmax(s, dim=-1)
-    if allowed is not None or plan.bias is not None:
-        p.nan_to_num_(nan=0.0)  # a row with nothing allowed: softmax of all −inf
-    return p
+    torch.softmax(s, dim=-1, out=s)  # in place: one band of memory
+    if empty_rows:
+        s.nan_to_num_(nan=0.0)  # a row with nothing allowed: softmax of all −inf
+    return s
 
 
 def _allowed(
