@@ -34,10 +34,12 @@ from ..kernels.fused import FusedStrips
 LAYOUTS = ("auto", "padded", "varlen")
 PADDED_WASTE = 1.125  # padded when S·L² ≤ this × Σ L_s²
 
-# The varlen layout's tiles. Segments here are whole images of thousands of patches: query strips
-# of 512 rows on torch's fused kernel run a long segment nearly as fast as one SDPA call over it,
-# where the default 64-row strips pay per-strip overhead on every one of them.
-VARLEN_BACKEND = TiledBackend(fused=FusedStrips(rows=512, wide=1 << 20))
+# The varlen layout's backend: tiled, its forward on torch's fused kernel in query strips of up to
+# 2048 rows. Segments here are whole images of thousands of patches; in strips that long each
+# image reaches the fused kernel in a few large calls, about as fast as one SDPA call per image
+# (the default 64-row strips pay a per-strip cost thousands of times). The additive mask of a
+# strip that straddles two segments stays O(2048 · N), never N².
+VARLEN_BACKEND = TiledBackend(fused=FusedStrips(rows=2048, wide=1 << 20))
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def packed_attention(
         scale: multiplies Q Kᵀ (default 1/√D).
         layout: "auto", "padded" or "varlen" (module docstring).
         backend: passed to `qkv.attention` ("auto": SDPA for padded; for varlen the tiled
-            backend with 512-row strips, `VARLEN_BACKEND`).
+            backend with 2048-row strips, `VARLEN_BACKEND`).
 
     Returns:
         `(N, H, Dv)`, each row attending to the keys of its own segment; differentiable.
