@@ -137,3 +137,20 @@ def test_qwen2_5_vl_shaped_packing_equals_per_window_sdpa():
 def test_empty_input():
     q, k, v, cu = _inputs([0, 0])
     assert packed_attention(q, k, v, cu).shape == (0, 4, 16)
+
+
+def test_inference_calls_reuse_their_gather_buffers_safely():
+    lengths = CASES["windows"]
+    first = _inputs(lengths, seed=3)
+    second = _inputs(lengths, seed=4)
+    packed.release_workspace()
+    with torch.no_grad():
+        out1 = packed_attention(*first, layout="padded")
+        buffer = packed._workspace.buffers["q"]
+        out2 = packed_attention(*second, layout="padded")
+        assert packed._workspace.buffers["q"] is buffer  # the same buffer, refilled
+    # the first result is not a view of anything the second call overwrote
+    torch.testing.assert_close(out1, _per_segment(*first), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out2, _per_segment(*second), rtol=1e-5, atol=1e-5)
+    packed.release_workspace()
+    assert "buffers" not in packed._workspace.__dict__

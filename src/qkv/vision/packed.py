@@ -9,6 +9,9 @@ one `qkv.attention` call, forward and backward, in one of two layouts:
   the batch of a `(S, H, L, D)` problem, L the longest segment, gathered from the packed rows
   (no copy at all when every segment has length L), with a key-padding mask `(S, 1, 1, L)`:
   O(S·L), never N². Padded query rows are computed and dropped. `auto` runs it on torch SDPA.
+  Without autograd the gathers go to buffers kept per thread between calls (three, the size
+  of q, k, v padded; `release_workspace()` frees them): an encoder gathers the same sizes in
+  every block, and fresh memory of that size costs more in page faults than the copy.
 - **varlen** (a few segments of very different lengths, such as whole images): the packed
   sequence as one `(1, H, N, D)` problem under `qkv.masks.varlen(cu_seqlens, cu_seqlens)`, whose
   tile layout is block diagonal: the tiled kernel computes only the tiles of each segment.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -152,19 +156,44 @@ def _varlen_mask(cu: tuple[int, ...]) -> masks.Mask:
 
 def _padded(q, k, v, plan: PackedLayout, scale, backend) -> torch.Tensor:
     S, L, H, Dv = len(plan.lengths), plan.longest, q.shape[1], v.shape[2]
+    # q, k, v (N, ·, ·) → (S, ·, L, ·): segment s in batch row s, padded to L
     lengths = torch.tensor(plan.lengths, device=q.device)
     if plan.total == S * L:  # every segment has length L: a view, no copy
         qb, kb, vb = (t.view(S, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         out = attention(qb, kb, vb, scale=scale, backend=backend)  # (S, H, L, Dv)
-        return out.transpose(1, 2).reshape(plan.total, H, Dv)
+        return out.transpose(1, 2).reshape(plan.total, H, Dv)  # SDPA's out is (S, L, H, Dv)
     starts = torch.cumsum(lengths, 0) - lengths
     j = torch.arange(L, device=q.device)
     real = j < lengths[:, None]  # (S, L)
     # padded slots read their segment's first row: finite, and masked out as keys
     rows = torch.where(real, starts[:, None] + j, starts[:, None]).reshape(-1)
+    reuse = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     qb, kb, vb = (
-        t.index_select(0, rows).view(S, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)
+        _gather(t, rows, name if reuse else None).view(S, L, *t.shape[1:]).transpose(1, 2)
+        for name, t in (("q", q), ("k", k), ("v", v))
     )
     out = attention(qb, kb, vb, mask=real[:, None, None, :], scale=scale, backend=backend)
-    out = out.transpose(1, 2).reshape(S * L, H, Dv)  # (S·L, H, Dv), padded order
-    return out[real.reshape(-1)]  # the real rows, which are in packed order
+    # (S, L, H, Dv) view → its real rows, which are in packed order: one gather, no other copy
+    return out.transpose(1, 2)[real]
+
+
+_workspace = threading.local()
+
+
+def _gather(t: torch.Tensor, rows: torch.Tensor, slot: str | None) -> torch.Tensor:
+    """`t.index_select(0, rows)`; without autograd into a buffer kept per thread and `slot`
+    between calls. A vision encoder gathers the same sizes in every block, and a fresh buffer
+    of that size costs more in page faults than the copy into it."""
+    if slot is None:
+        return t.index_select(0, rows)
+    shape = (rows.numel(), *t.shape[1:])
+    buffers = _workspace.__dict__.setdefault("buffers", {})
+    buf = buffers.get(slot)
+    if buf is None or buf.shape != shape or buf.dtype != t.dtype or buf.device != t.device:
+        buf = buffers[slot] = torch.empty(shape, dtype=t.dtype, device=t.device)
+    return torch.index_select(t, 0, rows, out=buf)
+
+
+def release_workspace() -> None:
+    """Free the gather buffers `packed_attention` keeps for this thread between calls."""
+    _workspace.__dict__.pop("buffers", None)
