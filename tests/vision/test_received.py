@@ -119,8 +119,12 @@ def test_memory_is_a_band_not_the_matrix(monkeypatch):
     assert len(seen) == 512 // (64 * 1024 // (4 * 512 * 4)) and max(seen) <= 64 * 1024
     seen.clear()
     received_attention(q, k, mask=masks.sliding_window(8))
-    # a band of 8 rows of the ±8 window keeps at most two key tiles of 64, not all 512 keys
-    assert max(seen) <= 4 * 8 * 2 * received.TILE * 4
+    # the window's bands keep only their key tiles: a fraction of the 512×512 scores in all
+    assert max(seen) <= 64 * 1024 and sum(seen) <= 4 * 512 * 512 * 4 / 3
+    seen.clear()
+    received_attention(q, k, causal=True)
+    # causal bands grow while their key range is short: fewer bands, about half the scores
+    assert max(seen) <= 64 * 1024 and len(seen) < 64 and sum(seen) <= 0.6 * 4 * 512 * 512 * 4
 
 
 def test_errors():

@@ -18,6 +18,7 @@ and the normalisation is skipped.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -90,20 +91,29 @@ def received_attention(
 
 
 def _band_spans(plan: AttentionPlan) -> list[tuple[int, int, int, int]]:
-    """Bands of query rows `(r0, r1)` with the key range `(c0, c1)` their rows may see: all keys,
-    or the kept tiles of a causal or structured mask (never an N×N matrix)."""
-    Nq, Nk = plan.q_len, plan.kv_len
-    rows = max(1, min(Nq, BAND_BYTES // (plan.heads * Nk * 4)))
-    bands = [(r0, min(Nq, r0 + rows)) for r0 in range(0, Nq, rows)]
+    """Bands of query rows `(r0, r1)` with the key range `(c0, c1)` their rows may see, each at
+    most `BAND_BYTES` of scores: all keys (dense), or the kept tiles of a causal or structured
+    mask (never an N×N matrix), in which case a band grows while its rows' key range stays
+    within the budget (the first bands of a causal problem hold many short rows)."""
+    Nq, Nk, H = plan.q_len, plan.kv_len, plan.heads
+    rows = max(1, min(Nq, BAND_BYTES // (H * Nk * 4)))  # rows of full width that fit
     if plan.mask_rule is None and not plan.causal:
-        return [(r0, r1, 0, Nk) for r0, r1 in bands]
-    spans = []
-    kept = _kept_tiles(plan, rows)  # (bands, key tiles) bool
-    for i, (r0, r1) in enumerate(bands):
+        return [(r0, min(Nq, r0 + rows), 0, Nk) for r0 in range(0, Nq, rows)]
+    unit = min(rows, TILE)  # the rows of one step, each with its kept key range
+    kept = _kept_tiles(plan, unit)  # (steps, key tiles) bool
+    spans: list[tuple[int, int, int, int]] = []
+    for i in range(kept.shape[0]):
         tiles = kept[i].nonzero().view(-1)
         if tiles.numel() == 0:
-            continue  # no row of this band may attend anywhere: it adds nothing
+            continue  # no row of this step may attend anywhere: it adds nothing
+        r0, r1 = i * unit, min(Nq, (i + 1) * unit)
         c0, c1 = int(tiles[0]) * TILE, min(Nk, (int(tiles[-1]) + 1) * TILE)
+        if spans:
+            p0, p1, q0, q1 = spans[-1]
+            lo, hi = min(q0, c0), max(q1, c1)
+            if p1 == r0 and H * (r1 - p0) * (hi - lo) * 4 <= BAND_BYTES:
+                spans[-1] = (p0, r1, lo, hi)
+                continue
         spans.append((r0, r1, c0, c1))
     return spans
 
@@ -152,11 +162,9 @@ def _band(
         # Only keys past the band's first row can be hidden: mask that triangle, not the band.
         d0 = max(c0, r0 + plan.causal_offset + 1)
         if d0 < c1:
-            rows = torch.arange(r0, r1, device=s.device).unsqueeze(1)
-            cols = torch.arange(d0, c1, device=s.device)
-            s[..., d0 - c0 :].masked_fill_(
-                ~causal_allowed(rows, cols, plan.causal_offset), -math.inf
-            )
+            # row r hides keys past r + offset: within the slice, col − row ≥ r0 + offset + 1 − d0
+            hidden = _upper(n, c1 - d0, r0 + plan.causal_offset + 1 - d0, str(s.device))
+            s[..., d0 - c0 :].masked_fill_(hidden, -math.inf)
         empty_rows = r0 + plan.causal_offset < 0  # Nq > Nk: the first rows see no key
     else:
         allowed = _allowed(plan, b, r0, r1, c0, c1, s.device)
@@ -168,6 +176,14 @@ def _band(
     if empty_rows:
         s.nan_to_num_(nan=0.0)  # a row with nothing allowed: softmax of all −inf
     return s
+
+
+@functools.lru_cache(maxsize=4)
+def _upper(n: int, w: int, diagonal: int, device: str) -> torch.Tensor:
+    """Bool `(n, w)`: True where col − row ≥ diagonal (the keys a causal row may not see).
+    Bands of one call mostly share a shape, so the last few are kept (each ≤ a band's size
+    in bytes / 4)."""
+    return torch.ones(n, w, dtype=torch.bool, device=device).triu_(diagonal)
 
 
 def _allowed(
