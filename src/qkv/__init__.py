@@ -17,6 +17,7 @@ from .masks import Mask
 from .plan import AttentionPlan
 from .scores import ScoreMod
 from .varlen import attention_varlen
+from .vision.received import received_attention
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "kernels",
     "layout",
     "masks",
+    "received_attention",
     "reference",
     "scores",
 ]

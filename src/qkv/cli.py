@@ -4,7 +4,8 @@
 - `qkv attend TEXT --token WORD`: where a word looks in the real all-MiniLM-L6-v2;
 - `qkv bench`: the cost curve, time and memory against N;
 - `qkv lab NAME`: one of the chapter's claims measured (`rnn`, `scale`, `routing`);
-- `qkv demo`: all of them, written to a folder with a report.
+- `qkv demo`: all of them, written to a folder with a report;
+- `qkv tokens --image WxH`: how many tokens an image costs (`qkv.vision.report`).
 
 Each subcommand is one entry of `COMMANDS`: a help line, a function that adds its arguments and
 a function that runs it. Bad input ends with a one-line message on stderr and a non-zero exit
@@ -223,6 +224,21 @@ def _demo(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- the command
 
 
+def _tokens_args(p: argparse.ArgumentParser) -> None:
+    from .vision import report
+
+    report.add_arguments(p)
+
+
+def _tokens(args: argparse.Namespace) -> None:
+    from .vision import report
+
+    try:
+        report.run(args)
+    except ValueError as e:
+        raise _Refused(str(e)) from None
+
+
 class Command(NamedTuple):
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
@@ -239,6 +255,9 @@ COMMANDS: dict[str, Command] = {
         lab_command.run,
     ),
     "demo": Command("explain, attend, bench and the labs, in a folder", _demo_args, _demo),
+    "tokens": Command(
+        "how many tokens an image costs (Qwen2-VL, LLaVA-NeXT)", _tokens_args, _tokens
+    ),
 }
 
 
