@@ -108,7 +108,9 @@ class PackedVisionAttention(nn.Module):
         if position_embeddings is not None:
             cos, sin = position_embeddings
             q, k = apply_rotary(q, cos, sin, dim=-2), apply_rotary(k, cos, sin, dim=-2)
-        out = packed_attention(q, k, v, cu_seqlens, scale=self.scaling, layout=self.layout)
+        out = packed_attention(  # the tower's own projections: finite
+            q, k, v, cu_seqlens, scale=self.scaling, layout=self.layout, finite_inputs=True
+        )
         return self.proj(out.reshape(n, -1))
 
 

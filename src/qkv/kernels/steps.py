@@ -462,5 +462,3 @@ def backward_loop(
     dk = dk.mul_(plan.scale)
     dparams = [g.to(t.dtype) for g, t in zip(dparams, params, strict=True)]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
-
-

@@ -64,7 +64,7 @@ def inverse_frequencies(dim: int, base: float = 10000.0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- M-RoPE ids
 
 
-def _grid_rows(name: str, grid: object) -> list[tuple[int, int, int]]:
+def grid_rows(name: str, grid: object) -> list[tuple[int, int, int]]:
     if grid is None:
         return []
     rows = grid.tolist() if isinstance(grid, torch.Tensor) else grid
@@ -133,9 +133,9 @@ def mrope_position_ids(
             f"attention_mask {tuple(attention_mask.shape)} must have token_types' shape "
             f"{tuple(token_types.shape)}"
         )
-    grids = {IMAGE: iter(_grid_rows("image_grid_thw", image_grid_thw)),
-             VIDEO: iter(_grid_rows("video_grid_thw", video_grid_thw))}  # fmt: skip
-    n_videos = len(_grid_rows("video_grid_thw", video_grid_thw))
+    grids = {IMAGE: iter(grid_rows("image_grid_thw", image_grid_thw)),
+             VIDEO: iter(grid_rows("video_grid_thw", video_grid_thw))}  # fmt: skip
+    n_videos = len(grid_rows("video_grid_thw", video_grid_thw))
     if video_intervals is None:
         intervals = iter([1.0] * n_videos)
     else:
@@ -258,7 +258,7 @@ def vision_position_ids(
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"spatial_merge_size must be an int ≥ 1, got {m!r}")
     out = []
-    for t, h, w in _grid_rows("grid_thw", grid_thw):
+    for t, h, w in grid_rows("grid_thw", grid_thw):
         if h % m or w % m:
             raise ValueError(f"grid (t, h, w)=({t}, {h}, {w}) does not divide by merge size {m}")
         hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")

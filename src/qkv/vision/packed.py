@@ -103,6 +103,7 @@ def packed_attention(
     scale: float | None = None,
     layout: str = "auto",
     backend: object = "auto",
+    finite_inputs: bool = False,
 ) -> torch.Tensor:
     """Attention within each packed segment, in one `qkv.attention` call.
 
@@ -115,6 +116,8 @@ def packed_attention(
         layout: "auto", "padded" or "varlen" (module docstring).
         backend: passed to `qkv.attention` ("auto": SDPA for padded; for varlen the tiled
             backend with 2048-row strips, `VARLEN_BACKEND`).
+        finite_inputs: as in `qkv.attention` (the varlen layout hides the other segments' keys;
+            the padded one hides only copies of a segment's own keys, which needs no promise).
 
     Returns:
         `(N, H, Dv)`, each row attending to the keys of its own segment; differentiable.
@@ -141,6 +144,7 @@ def packed_attention(
             mask=rule,
             scale=scale,
             backend=VARLEN_BACKEND if backend == "auto" else backend,
+            finite_inputs=finite_inputs,
         )
         return out[0].transpose(0, 1)
     return _padded(q, k, v, plan, scale, backend)
@@ -172,7 +176,11 @@ def _padded(q, k, v, plan: PackedLayout, scale, backend) -> torch.Tensor:
         _gather(t, rows, name if reuse else None).view(S, L, *t.shape[1:]).transpose(1, 2)
         for name, t in (("q", q), ("k", k), ("v", v))
     )
-    out = attention(qb, kb, vb, mask=real[:, None, None, :], scale=scale, backend=backend)
+    # The masked slots hold copies of a visible key/value of the same segment: nothing hidden
+    # there that the segment does not see anyway, so the promise of finite_inputs holds.
+    out = attention(
+        qb, kb, vb, mask=real[:, None, None, :], scale=scale, backend=backend, finite_inputs=True
+    )
     # (S, L, H, Dv) view → its real rows, which are in packed order: one gather, no other copy
     return out.transpose(1, 2)[real]
 

@@ -23,7 +23,8 @@ import math
 
 import torch
 
-from ..masks import EMPTY, Mask
+from ..layout import EMPTY, layout_for
+from ..masks import Mask
 from ..numerics import causal_allowed
 from ..plan import AttentionPlan, from_4d, make_plan, to_4d
 
@@ -119,19 +120,9 @@ def _band_spans(plan: AttentionPlan) -> list[tuple[int, int, int, int]]:
 
 
 def _kept_tiles(plan: AttentionPlan, rows: int) -> torch.Tensor:
-    """Which key tiles each band of `rows` query rows keeps, from the tile bounds of the causal
-    rule and the structured mask (any batch element, any head)."""
-    Nq, Nk = plan.q_len, plan.kv_len
-    nb, nt = -(-Nq // rows), -(-Nk // TILE)
-    kept = torch.ones(nb, nt, dtype=torch.bool)
-    if plan.mask_rule is not None:
-        layout = plan.mask_rule.blocks(Nq, Nk, rows, TILE)
-        kept &= (layout.kind != EMPTY).flatten(0, 1).any(0)
-    if plan.causal:
-        last_row = torch.clamp(torch.arange(nb) * rows + rows, max=Nq) - 1
-        first_key = torch.arange(nt) * TILE
-        kept &= first_key[None, :] <= (last_row + Nk - Nq)[:, None]
-    return kept
+    """Which key tiles each band of `rows` query rows keeps: the plan's block layout (causal
+    rule and structured mask, any batch element, any head) for `rows × TILE` tiles."""
+    return layout_for(plan, rows, TILE).kind != EMPTY
 
 
 def _band(

@@ -192,15 +192,20 @@ def proportional_attention(
     causal: bool = False,
     scale: float | None = None,
     backend: object = "auto",
+    finite_inputs: bool = False,
 ) -> torch.Tensor:
     """`qkv.attention` over merged tokens with proportional attention: `q (B, H, Nq, D)`,
     `k, v (B, Hkv, N, ·)` and the keys' `size (B, N)`. Without `mask` the log-size bias is a
-    `(B, 1, 1, N)` float mask; with a `qkv.masks.Mask` it is a score modifier in the tiles."""
+    `(B, 1, 1, N)` float mask; with a `qkv.masks.Mask` it is a score modifier in the tiles.
+    `finite_inputs`: as in `qkv.attention`."""
     if mask is not None and not isinstance(mask, Mask):
         raise TypeError(f"mask must be a qkv.masks.Mask or None, got {type(mask).__name__}")
     if mask is None:
         bias = log_size_bias(size, q.dtype)
-        return attention(q, k, v, mask=bias, causal=causal, scale=scale, backend=backend)
+        return attention(
+            q, k, v, mask=bias, causal=causal, scale=scale, backend=backend,
+            finite_inputs=finite_inputs,
+        )  # fmt: skip
     return attention(
         q,
         k,
@@ -210,4 +215,5 @@ def proportional_attention(
         scale=scale,
         backend=backend,
         score_mod=size_score_mod(size),
+        finite_inputs=finite_inputs,
     )

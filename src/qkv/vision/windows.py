@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mrope import _grid_rows
+from .mrope import grid_rows
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def window_partition(
             f"window_size={window_size} is smaller than one merged unit "
             f"({m}×{patch_size} = {m * patch_size} pixels)"
         )
-    rows = _grid_rows("grid_thw", grid_thw)
+    rows = grid_rows("grid_thw", grid_thw)
     if not rows:
         raise ValueError("grid_thw must describe at least one image or video")
     index, window_units, frame_patches = [], [], []
