@@ -93,3 +93,26 @@ def assert_error_ratio(got, same_dtype_ref, gold, factor=2.0, what="output"):
     assert err <= factor * ref_err + floor, (
         f"{what}: error {err:.3g} > {factor}·{ref_err:.3g} (reference in {got.dtype}) + {floor:.3g}"
     )
+
+
+def matmul_flops(fn) -> int:
+    """FLOPs of the matrix products `fn` runs, with torch's FlopCounterMode. The mode sees a
+    custom op as one call and cannot look inside; for qkv's tiled ops it runs their
+    implementation under the mode, so that the products they really run are counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from qkv.kernels import tiled_op
+
+    def inside(impl):
+        def rule(mode, func, types, args, kwargs):
+            with mode:
+                return impl(*args, **kwargs)
+
+        return rule
+
+    with FlopCounterMode(display=False) as counter:
+        mode = type(counter.mode)  # the TorchDispatchMode it pushes
+        tiled_op.tiled_forward.register_torch_dispatch(mode, inside(tiled_op.forward_impl))
+        tiled_op.tiled_backward.register_torch_dispatch(mode, inside(tiled_op.backward_impl))
+        fn()
+    return counter.get_total_flops()

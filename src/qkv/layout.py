@@ -446,7 +446,9 @@ def block_layout(
     if mask is not None:
         mask.check(q_len, kv_len)
     lay = build(q_len, kv_len, block_q, block_k, causal=causal, rule=mask)
-    return BlockLayout(**{**lay.__dict__, "mask": mask})
+    held = BlockLayout(**{**lay.__dict__, "mask": mask})
+    held.rows()  # the kept tiles as Python lists, read here once, not by the kernel's call
+    return held
 
 
 def dense_kinds(rule: Any, nq: int, nk: int, block_q: int, block_k: int) -> torch.Tensor:

@@ -72,15 +72,47 @@ def two_float(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return hi, torch.nan_to_num(x - hi.to(x.dtype), nan=0.0).to(dtype)
 
 
-def no_double_backward(backend: str) -> None:
-    """Raise, inside a hand-written backward, when autograd asks to differentiate it
-    (`create_graph=True`: gradient penalties, `gradgradcheck`)."""
-    if torch.is_grad_enabled():
-        raise NotImplementedError(
-            f"backend={backend!r} has a hand-written backward, which cannot itself be "
-            f"differentiated (create_graph=True: double backward, gradient penalties, "
-            f"gradgradcheck); use backend='reference', whose gradient is autograd's"
-        )
+def _double_backward_error(backend: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"backend={backend!r} has a hand-written backward, which cannot itself be "
+        f"differentiated (create_graph=True: double backward, gradient penalties, "
+        f"gradgradcheck, torch.func.grad of a grad); use backend='reference', whose gradient "
+        f"is autograd's"
+    )
+
+
+class _OnceDifferentiable(torch.autograd.Function):
+    """Identity on gradients; differentiating them raises `_double_backward_error`."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(backend, n, *tensors):  # type: ignore[override]
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        ctx.backend = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        raise _double_backward_error(ctx.backend)
+
+
+def once_differentiable(backend: str, grads: tuple, inputs: tuple) -> tuple:
+    """The gradients a hand-written backward computed (under `torch.no_grad()`), tied to the
+    forward's `inputs` when autograd records the backward (`create_graph=True`, torch.func.grad),
+    so that a single gradient works and differentiating it raises a clear error instead of
+    silently giving zero."""
+    if not torch.is_grad_enabled():
+        return grads
+    where = [i for i, g in enumerate(grads) if g is not None]
+    linked = [x for x in inputs if isinstance(x, torch.Tensor)]
+    tied = _OnceDifferentiable.apply(backend, len(where), *(grads[i] for i in where), *linked)
+    out = list(grads)
+    for i, g in zip(where, tied, strict=True):
+        out[i] = g
+    return tuple(out)
 
 
 _COUNT = 256  # guarded columns per product: counts of NaN/+inf/−inf stay exact in float32

@@ -12,7 +12,7 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv.kernels import TiledBackend
+from qkv.kernels import TiledBackend, tiled_op
 from qkv.kernels import fused as fused_mod
 from qkv.kernels import tiled as tiled_mod
 from qkv.kernels.fused import FusedStrips
@@ -63,8 +63,9 @@ def _count_calls(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(fused_mod, "fused_forward_op", count("fwd", fused_mod.fused_forward_op))
-    monkeypatch.setattr(tiled_mod, "forward_loop", count("loop", tiled_mod.forward_loop))
-    monkeypatch.setattr(tiled_mod, "backward_loop", count("bwd", tiled_mod.backward_loop))
+    for module in (tiled_op, tiled_mod):  # the custom op; the score-modifier path
+        monkeypatch.setattr(module, "forward_loop", count("loop", module.forward_loop))
+        monkeypatch.setattr(module, "backward_loop", count("bwd", module.backward_loop))
     return calls
 
 

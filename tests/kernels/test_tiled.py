@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 import qkv
 from qkv.kernels import TiledBackend
 
-from ..helpers import make_qkv
+from ..helpers import make_qkv, matmul_flops
 
 GRADCHECK_CASES = {
     "plain": dict(shape=dict(B=1, H=2, Nq=7, Nk=9, D=4), kw=dict()),
@@ -67,13 +66,6 @@ def test_backward_saves_no_score_matrix():
     out.sum().backward()
 
 
-def _matmul_flops(fn) -> int:
-    """FLOPs of the matrix products `fn` runs (torch's FlopCounterMode)."""
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
-
-
 @pytest.mark.parametrize("nq,nk,kept", [(64, 64, 10), (32, 64, 7), (64, 32, 3)])
 def test_causal_skips_empty_tiles(nq, nk, kept):
     # 16×16 tiles. Nq=Nk=64: 4 rows of tiles, 1+2+3+4 = 10 of 16 computed. Bottom-right
@@ -87,12 +79,12 @@ def test_causal_skips_empty_tiles(nq, nk, kept):
     be = TiledBackend(16, 16, max_rows=64, max_cols=64)
     out = qkv.attention(q, k, v, causal=True, backend=be)
     tile = 2 * 16 * 16 * 4  # one 16×16 tile's product with D = Dv = 4
-    fwd = _matmul_flops(lambda: qkv.attention(q, k, v, causal=True, backend=be))
+    fwd = matmul_flops(lambda: qkv.attention(q, k, v, causal=True, backend=be))
     # S = Q Kᵀ and P V on the kept tiles only, and on the partial ones the count of NaN/inf
     # values a positive weight sees (masked garbage never reaches a row)
     partial = int((~lay.full).sum())
     assert fwd == (kept * 2 + partial) * tile
-    bwd = _matmul_flops(lambda: out.sum().backward())
+    bwd = matmul_flops(lambda: out.sum().backward())
     assert bwd == kept * 5 * tile  # S, dP, dV, dQ, dK
     ref = qkv.attention(q, k, v, causal=True, backend="reference")
     torch.testing.assert_close(out, ref)

@@ -41,7 +41,7 @@ import torch
 
 from ..kernels.tiled import TiledBackend
 from ..masks import Mask
-from ..numerics import no_double_backward
+from ..numerics import once_differentiable
 from ..plan import from_4d, to_4d
 from . import _blocks, _comm
 from ._problem import Problem, validate
@@ -178,10 +178,10 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
-        no_double_backward("ring_attention")
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.cfg, q, k, v, out, lse, dout, dlse)
-        return dq, dk, dv, None
+        with torch.no_grad():
+            grads = _ring_backward(ctx.cfg, q, k, v, out, lse, dout, dlse)
+        return *once_differentiable("ring_attention", grads, (q, k, v)), None
 
 
 def ring_attention(

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import no_double_backward
+from ..numerics import once_differentiable
 from ..plan import AttentionPlan
-from . import fused as fused_mod
+from . import tiled_op
 from .base import Result
 from .fused import FusedStrips
 from .steps import (
@@ -26,26 +26,47 @@ from .steps import (
     forward_loop,
 )
 
+_NO_FUNC = (
+    "torch.func transforms (grad, vmap, jacrev, ...) over a score modifier on the tiled backend "
+    "are not supported (its backward reuses buffers a transform cannot write into); use "
+    "torch.autograd.grad, or backend='reference'"
+)
 
-class _TiledAttention(torch.autograd.Function):
+
+class _ScoreModAttention(torch.autograd.Function):
+    """The tiled loop with a score modifier, whose parameters get gradients too."""
+
     @staticmethod
-    def forward(ctx, q, k, v, tiles, sched, *params):  # type: ignore[override]
-        if sched is not None:
-            out, lse = fused_mod.forward(tiles.plan, sched, q, k, v)
-            stats = RowStats.from_lse(lse, tiles.cdt)
-        else:
-            out, lse, stats = forward_loop(tiles, q, k, v)
-        ctx.save_for_backward(q, k, v, stats.hi, stats.lo, stats.l)
+    def forward(q, k, v, tiles, *params):  # type: ignore[override]
+        out, lse, stats = forward_loop(tiles, q, k, v)
+        return out, lse, stats.hi, stats.l
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        q, k, v, tiles, *params = inputs
+        _, _, hi, l = output
+        ctx.save_for_backward(q, k, v, hi, l, *params)
         ctx.tiles = tiles
         ctx.set_materialize_grads(False)
-        return out, lse
+        ctx.mark_non_differentiable(hi, l)
 
     @staticmethod
-    def backward(ctx, dout, dlse):  # type: ignore[override]
-        no_double_backward("tiled")
-        q, k, v, hi, lo, l = ctx.saved_tensors
-        dq, dk, dv, dparams = backward_loop(ctx.tiles, q, k, v, RowStats(hi, lo, l), dout, dlse)
-        return dq, dk, dv, None, None, *dparams
+    def vmap(info, in_dims, *args):  # type: ignore[override]
+        raise NotImplementedError(_NO_FUNC)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dhi, _dl):  # type: ignore[override]
+        q, k, v, hi, l, *params = ctx.saved_tensors
+        stats = RowStats(hi, None, l)
+        try:
+            with torch.no_grad():
+                dq, dk, dv, dparams = backward_loop(ctx.tiles, q, k, v, stats, dout, dlse)
+        except NotImplementedError as e:  # torch.func.grad hands the backward its wrappers
+            if "TensorWrapper" in str(e):
+                raise NotImplementedError(_NO_FUNC) from e
+            raise
+        grads = once_differentiable("tiled", (dq, dk, dv, *dparams), (q, k, v, *params))
+        return *grads[:3], None, *grads[3:]
 
 
 class TiledBackend:
@@ -102,15 +123,7 @@ class TiledBackend:
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> str | None:
         """None when `forward` takes the fused-strips path, else why it runs the loop."""
-        if self.fused is None:
-            return "fused=False"
-        if plan.wants_grad:
-            return (
-                "gradients: the loop's forward keeps what its backward needs (each row's max and "
-                "softmax denominator); the fused op's float32 lse put float32 gradients beyond "
-                "the error bound"
-            )
-        return fused_mod.reason(plan, q, k, v)
+        return tiled_op.fused_reason(self.fused, plan, q, k, v)
 
     def why_not(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -124,10 +137,11 @@ class TiledBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        sched = None
-        if self.fused_reason(plan, q, k, v) is None:  # the forward on the fused op
-            sched = fused_mod.schedule(plan, self.block_q, self.block_k, self.fused)
-        params = plan.score_mod.params if plan.score_mod is not None else ()
+        if plan.score_mod is None:  # the custom op: torch.compile traces through it
+            out, lse = tiled_op.attention(plan, self.tiling, self.fused, q, k, v)
+            return out, lse, None
+        # A score modifier is Python code with learnable tensors: an autograd Function.
+        params = plan.score_mod.params
         tiles = TileProblem(plan, q, self.tiling)
-        out, lse = _TiledAttention.apply(q, k, v, tiles, sched, *params)
+        out, lse, _, _ = _ScoreModAttention.apply(q, k, v, tiles, *params)
         return out, lse, None

@@ -44,7 +44,7 @@ from ..cache import CACHE
 from ..dropout import keep_scale
 from ..layout import BlockLayout, allowed, layout_for
 from ..masks import Mask
-from ..numerics import no_double_backward, row_dot, two_float
+from ..numerics import once_differentiable, row_dot, two_float
 from ..plan import AttentionPlan
 from .base import Result
 
@@ -512,15 +512,16 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
-        no_double_backward("triton")
         q, k, v, out, lse64 = ctx.saved_tensors
         call: _Call = ctx.call
         want_table = ctx.n_params > 0 and any(ctx.needs_input_grad[4:])
-        dq, dk, dv, dtable = call.backward(q, k, v, out, lse64, dout, dlse, want_table)
+        with torch.no_grad():
+            dq, dk, dv, dtable = call.backward(q, k, v, out, lse64, dout, dlse, want_table)
         dparams = [None] * ctx.n_params
         if dtable is not None:
             dparams[0] = dtable.to(call.spec.table.dtype)
-        return dq, dk, dv, None, *dparams
+        grads = once_differentiable("triton", (dq, dk, dv, *dparams), (q, k, v))
+        return *grads[:3], None, *grads[3:]
 
 
 # ---------------------------------------------------------------------------------------------
