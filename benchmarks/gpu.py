@@ -2,7 +2,7 @@
 
 Prepared to run once on a CUDA machine (an H200 in the issue), well under 10 minutes:
 
-1. correctness, bf16, against the fp64 golden under the error-ratio rule of DESIGN.md §3
+1. correctness, bf16, against the fp64 golden under the error rule of docs/design.md
    (forward, lse and gradients): dense, causal (Nq = Nk and Nq < Nk), sliding window, document,
    GQA, D ∈ {40, 64, 128, 256}, ALiBi + softcap, dropout; and int64 offsets: a sliding-window
    problem whose tensors hold more than 2³¹ elements, checked on its last rows;
@@ -220,7 +220,8 @@ def measure(impl: Callable, n: int, d: int, device) -> dict:
 
 
 def error_ratio(got, ref, gold, factor: float) -> tuple[bool, float, float]:
-    """DESIGN.md §3: max|got − gold| ≤ factor · max|ref − gold| + floor (finite where gold is)."""
+    """The error rule (docs/design.md): max|got − gold| ≤ factor · max|ref − gold| + floor
+    (finite where gold is)."""
     finite = torch.isfinite(gold)
     if not torch.isfinite(got[finite]).all():
         return False, float("inf"), 0.0

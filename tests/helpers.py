@@ -1,4 +1,4 @@
-"""Shared helpers: inputs, the fp64 golden, and the error-ratio rule of DESIGN.md §3."""
+"""Shared helpers: inputs, the fp64 golden, and the error rule of docs/design.md (section 7)."""
 
 from __future__ import annotations
 

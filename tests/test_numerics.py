@@ -1,5 +1,5 @@
-"""The semantics table's edge cases (DESIGN.md §2): empty rows, garbage in masked slots,
-huge scores, zero-length sequences, low precision."""
+"""The semantics table's edge cases (docs/design.md, section 6): empty rows, garbage in masked
+slots, huge scores, zero-length sequences, low precision."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ from .masks import Mask
 from .plan import AttentionPlan
 from .scores import ScoreMod
 from .varlen import attention_varlen
-from .vision.received import received_attention
 
 __version__ = "0.1.0"
 
@@ -26,14 +25,19 @@ __version__ = "0.1.0"
 _LAZY = ("nn", "distributed", "inspect", "integrations", "labs", "vision", "examples")
 
 
+_LAZY_NAMES = {"received_attention": "vision.received"}  # names from a lazy submodule
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    return sorted([*globals(), *_LAZY, *_LAZY_NAMES])
 
 
 __all__ = [

@@ -57,7 +57,7 @@ def weighted_values(p: torch.Tensor, v: torch.Tensor, v_finite: bool) -> torch.T
 
 def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int = 8192):
     """`(a ∘ b).sum(-1)` computed in `dtype`, a few thousand rows at a time (converting
-    whole O(N·d) tensors to float64 at once cost ~15× more, mostly in fresh pages)."""
+    whole O(N·d) tensors to float64 at once costs far more, mostly in fresh pages)."""
     a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
     out = torch.empty(a2.shape[0], dtype=dtype, device=a.device)
     for i in range(0, a2.shape[0], rows):

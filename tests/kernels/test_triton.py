@@ -48,7 +48,7 @@ if isinstance(_kernels, str):  # pragma: no cover - only when something imported
 import qkv  # noqa: E402
 from qkv import masks, scores  # noqa: E402
 from qkv.kernels import TritonBackend  # noqa: E402
-from qkv.kernels import triton as triton_mod  # noqa: E402
+from qkv.kernels import triton_host as triton_mod  # noqa: E402
 
 from ..helpers import assert_error_ratio, make_qkv  # noqa: E402
 

@@ -13,7 +13,8 @@ import torch
 import qkv
 from qkv import masks, scores
 from qkv.kernels import BACKENDS, TritonBackend
-from qkv.kernels import triton as triton_mod
+from qkv.kernels import triton as triton_backend
+from qkv.kernels import triton_host as triton_mod
 from qkv.masks import EMPTY, FULL
 from qkv.plan import make_plan
 
@@ -23,8 +24,8 @@ from ..helpers import make_qkv
 @pytest.fixture
 def as_if_interpreting(monkeypatch):
     """Pretend triton is installed and its interpreter on: only the request decides."""
-    monkeypatch.setattr(triton_mod, "triton_available", lambda: True)
-    monkeypatch.setattr(triton_mod, "interpreting", lambda: True)
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: True)
 
 
 def _why(q, k, v, **kw):
@@ -33,7 +34,7 @@ def _why(q, k, v, **kw):
 
 
 def test_not_installed_reason(monkeypatch):
-    monkeypatch.setattr(triton_mod, "triton_available", lambda: False)
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: False)
     why = _why(*make_qkv(B=1, H=1, Nq=4, D=8))
     assert why.startswith("triton is not installed") and "pip install" in why
     with pytest.raises(NotImplementedError, match="triton is not installed"):
@@ -41,8 +42,8 @@ def test_not_installed_reason(monkeypatch):
 
 
 def test_cpu_without_interpreter_reason(monkeypatch):
-    monkeypatch.setattr(triton_mod, "triton_available", lambda: True)
-    monkeypatch.setattr(triton_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
     why = _why(*make_qkv(B=1, H=1, Nq=4, D=8))
     assert "tensors are on the CPU" in why and "runs on CUDA" in why
     assert "TRITON_INTERPRET=1" in why

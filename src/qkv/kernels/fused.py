@@ -1,63 +1,26 @@
-"""Fused strips: the tiled backend's fast forward for structured masks on the CPU.
+"""Fused strips: the tiled backend's forward for structured masks on the CPU when no gradient
+will be taken, on torch's fused C++ flash kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=, scale=)`: grouped kv
+heads, any strides, lse in natural units). The op cannot skip keys, so this module hands it only
+the keys each group of query rows keeps:
 
-The tiled kernel (tiled.py) does the softmax arithmetic of every tile as separate eager PyTorch
-passes; for a sliding window that arithmetic, not the matrix products, is most of the forward's
-time. Torch ships a fused C++ CPU flash-attention kernel that takes an additive mask and returns
-the log-sum-exp::
+1. **Layout.** The plan's `qkv.layout.BlockLayout` for the backend's tiles.
+2. **Strips.** Rows of tiles merge into strips of at most `rows` query rows while the union of
+   their kept key tiles stays within `waste` times what they keep alone. A strip's *window* is
+   the concatenation of its kept key ranges (one range for a band, several for global columns).
+3. **Groups.** Strips with one contiguous window whose starts advance by a constant step (the
+   inside of a band) reach the op as `as_strided` views of q and k/v, no copy; other strips are
+   grouped by rows and a width bucket and gathered (batch folded into heads), padded columns
+   masked out. Groups are cut into batches of at most `budget` bytes, one op call each. Masks
+   are built per tile: FULL tiles cost nothing, the rule runs on PARTIAL tiles only, one mask is
+   broadcast when every strip of a batch shares it. Schedules and masks (within `mask_cache`
+   bytes) live in qkv's cache, held against the Mask weakly.
+4. **Wide strips** (window wider than `wide` keys: a global token's row) run alone.
 
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=, scale=)
-
-It accepts grouped kv heads (query head h reads kv head h // G), arbitrary strides, fp32, fp64,
-bf16 and fp16 (scores and softmax in fp32 for the low precisions), and its lse is in natural
-units (float32, or float64 for float64 inputs), as ours. What it cannot do is skip anything: it
-runs every key of its `k`. So this module hands it only the keys each group of queries keeps:
-
-1. **Layout.** The plan's `qkv.layout.BlockLayout` for the backend's `block_q × block_k`
-   tiles (from the Mask's key ranges and tile bounds and the causal flag; never N×N).
-2. **Strips.** Rows of tiles are merged into strips of at most `rows` query rows (64 by
-   default; measured on 2 cores for a 256 window: 64 rows with a 576-key window ran the op in
-   ~160 ms at N=16384, 128 rows ~180 ms) while the union of their kept key tiles stays within
-   `waste` times what they keep alone (`BlockLayout.strips`). A strip's *window* is the
-   concatenation of its kept key ranges: one contiguous range for a band, several for
-   Longformer's global columns + band or BigBird.
-3. **Groups.** Strips with one contiguous window group by (rows, exact width) and are split into
-   runs whose first rows and window starts advance by constant steps (the inside of a band):
-   such a run reaches the op as `as_strided` views of q and k/v, no copy. Other strips group by
-   rows and a width bucket (rounded up by at most 1/8) and are gathered with `index_select`
-   (the copy also folds batch into heads: `(strips, B·H, rows, D)` against
-   `(strips, B·Hkv, width, D)`); padded columns are masked out. Groups are cut into batches
-   within `budget` bytes of what they allocate (gathered copies, the op's output, the mask;
-   4 MiB: measured on 2 cores at N=16384, Longformer's forward took ~245 ms with batches of
-   2-4 MiB and 280-320 ms with 16-64 MiB, BigBird's was fastest at 4 MiB); each batch is ONE
-   call of the fused op. Masks are built per tile:
-   FULL tiles are 0 with no arithmetic, the rule is evaluated only on PARTIAL tiles (all of a
-   batch at once, as `(P, 1|H, rows, block_k)` blocks), and when every strip of a batch has the
-   same mask (a band) one `(1, 1|H, rows, width)` mask is broadcast (stride 0) over the strips;
-   a batch whose tiles are all FULL and unpadded passes no mask. The op wants an additive mask
-   of the query's dtype (it rejects a bool one).
-   The schedule and its masks (within `mask_cache` bytes) are kept in qkv's cache
-   (`qkv.cache`: bounded in bytes, held against the Mask weakly, clearable), like
-   FlexAttention's BlockMask: a training loop that reuses its Mask builds them once.
-4. **Wide strips** (window wider than `wide` keys: the rows of a global token, a dense prefix)
-   run alone; a contiguous window is passed as a view of k/v (no copy).
-
-Semantics fixed up around the op: a row with no allowed key gets out 0 (the op gives 0) and lse
-−inf (the op gives 0). Masks that depend on the batch element (padding, key_mask) or on the head
-when B > 1 run one batch element at a time, so the mask is never repeated B times.
-
-Backward: this module has none. The tiled backend's autograd Function runs `forward` here,
-saves q, k, v, out and lse only (O(N·d)) and runs its own backward (FlashAttention-2's
-recomputation from the saved lse), which is exact under the error-ratio rule of DESIGN.md §3
-and, measured, faster than the op's. The
-op's own backward (`aten._scaled_dot_product_flash_attention_for_cpu_backward`) is not used: in
-fp32 it breaks that rule on small masked problems (dQ up to ~4× the fp32 reference's error, dV
-up to ~6×), and run in fp64 to be exact it was ~2.9× slower than the loop for forward+backward.
-
-What stays on the tiled kernel (see `reason`): dropout (ours is a counter-based hash the op
-cannot reproduce), score modifiers, returned weights, dense bool or float masks, Dv ≠ D (the op
-needs equal head sizes), non-finite k/v (the op's `P @ V` would turn 0 · NaN in a masked-out
-value into NaN), devices other than the CPU, and plans without a structured Mask (dense and
-causal attention go to SDPA already).
+Around the op: a row with no allowed key gets out 0 and lse −inf; masks that depend on the
+batch element run one element at a time. Training runs the tiled loop instead (its backward
+needs the loop's row max and denominator; the op's float32 lse and its own backward put float32
+gradients outside the error rule). What else stays on the loop is in `reason`.
 """
 
 from __future__ import annotations
@@ -73,8 +36,8 @@ from ..layout import layout_for
 from ..plan import AttentionPlan
 
 _OPS = torch.ops.aten
-# torch's op loses a NaN of q when it sees fewer than 16 keys and no mask (measured, torch
-# 2.13): narrower windows are padded to 16 keys with masked-out columns.
+# torch's op loses a NaN of q when it sees fewer than 16 keys and no mask: narrower windows
+# are padded to 16 keys with masked-out columns.
 NARROW = 16
 _FWD_NAME = "_scaled_dot_product_flash_attention_for_cpu"
 
@@ -363,10 +326,8 @@ def _take(t: torch.Tensor, sel: Sel, n: int, ws: _Workspace) -> torch.Tensor:
 
 class _Workspace:
     """One buffer that every batch's gathered q, k and v are copied into, reused batch after
-    batch: a forward then touches a few MiB of fresh memory instead of allocating every gather
-    anew (on the VM this was measured on, fresh pages cost a fault each, and Longformer's
-    forward at N=16384, ~0.8 GB of gathers, swung between ~250 and ~440 ms with the
-    allocator's state)."""
+    batch: a forward touches a few MiB of fresh memory instead of allocating every gather anew
+    (each fresh page costs a fault)."""
 
     def __init__(self, elements: int, dtype: torch.dtype):
         self.buf = torch.empty(elements, dtype=dtype)

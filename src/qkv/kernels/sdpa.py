@@ -11,7 +11,7 @@ mask: the first Nq − Nk rows see nothing (output 0) and the last Nk rows are a
 problem. With Nq < Nk it needs an explicit Nq × Nk mask, so `auto` passes such requests to a
 backend that skips the tiles instead; asked for by name, sdpa builds the mask.
 On the CPU with fewer than 16 keys, torch's fused kernel drops a NaN of q (the row comes back
-as zeros; measured with torch 2.13), so those calls run torch's math kernel, which does not.
+as zeros), so those calls run torch's math kernel, which does not.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class SdpaBackend:
         if plan.dtype == torch.float32 and plan.wants_grad:
             return (
                 "float32 gradients: torch SDPA's backward is not within qkv's error bound on "
-                "every input (up to 1.3× the 3× allowance, measured); tiled's backward is"
+                "every input; tiled's backward is"
             )
         return None
 

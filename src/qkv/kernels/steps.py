@@ -24,8 +24,8 @@ tiles run, and which need the mask, is the layout's (`qkv.layout`); kept tiles a
 runs so that each product spans many tiles.
 
 Scores are rounded exactly as the reference rounds them (`(Q Kᵀ)·scale`); the forward's
-exponentials are `exp2((S − m)·log2 e)`, about three times faster than `exp` on the CPU, with
-the conversion applied to the difference S − m, small where P matters.
+exponentials are `exp2((S − m)·log2 e)`, faster than `exp` on the CPU, with the conversion
+applied to the difference S − m, small where P matters.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class TileProblem:
         Returns the 5-D view `(B, Hkv, G, n, w)` and, when `track` and a modifier is set, its
         input x (a leaf) and output y for the backward's `autograd.grad`. The modifier runs in
         float64 (forward and backward alike): a learnable table's gradient sums dS over every
-        pair of a run, which float32 did not sum within 3× of the reference's error."""
+        pair of a run, which float32 does not sum within the error rule."""
         p = self.plan
         s5 = s.view(p.batch, p.kv_heads, p.groups, i1 - i0, j1 - j0)
         if self.bias5 is not None:  # a −inf excludes the pair, whatever its score (even NaN)
@@ -291,14 +291,13 @@ def backward_loop(
       products, in float64), not taken as rowsum(dO ∘ O): then dS sums to exactly 0 over a
       row (−dlse_i with an lse term) and the roundings of dP and of P's normaliser cancel, as
       they do in the reference's softmax backward. A row whose softmax is nearly one key's
-      loses everything else to that cancellation: its gradients were off by whole roundings
-      of dP (measured 4000× over the rule on a 1-query problem);
+      loses everything else to that cancellation, and its gradients would be off by whole
+      roundings of dP;
     - P is normalised as the forward normalised its output (its max and l, not a rounded
       lse), and D_i is subtracted as a two-float (hi + lo);
     - P is `exp(S − max)`, not the forward's faster `exp2((S − max)·log2 e)`: rounding the
       argument x·log2 e costs P a relative error of |x|·eps, which the small weights of a
-      peaked row carry straight into its gradient (measured 1.9× over the rule with D = 1
-      and scores near 100);
+      peaked row carry straight into its gradient;
     - the dK/dV products of grouped query heads are one product per head, summed, not one dot
       product G times as long;
     - the strips and runs are the forward's, so every score is recomputed bit for bit (matrix
