@@ -11,7 +11,7 @@ from benchmarks.run import load_suite, main, suite_names
 from benchmarks.suite import FWD, Group
 from benchmarks.suites import decode, distributed, sparse
 
-SUITES = ("core", "decode", "distributed", "hf", "sparse", "vision")
+SUITES = ("core", "decode", "distributed", "gpu", "hf", "sparse", "vision")
 
 
 def test_the_suites_are_found_by_name(capsys):
