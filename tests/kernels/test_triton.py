@@ -255,8 +255,8 @@ def test_kernel_lists_hold_only_non_empty_tiles(monkeypatch):
 
 
 def test_gpu_script_correctness_stage_runs_on_cpu(monkeypatch):
-    # benchmarks/gpu.py's first stage, on tiny CPU problems in the interpreter: its checks pass
-    # and its report lists them (the int64 check needs > 2³¹ elements: GPU only).
+    # the gpu benchmark suite's first stage, on tiny CPU problems in the interpreter: its checks
+    # pass and its report lists them (the int64 check needs > 2³¹ elements: GPU only).
     from .test_triton_gpu_script import load_script
 
     gpu = load_script()
@@ -266,9 +266,9 @@ def test_gpu_script_correctness_stage_runs_on_cpu(monkeypatch):
     )
     monkeypatch.setattr(gpu, "CHECKS", tiny)
     monkeypatch.setattr(gpu, "int64_offsets", lambda device: {"check": "int64", "pass": None})
-    report = {"environment": gpu.environment(None), "timing": []}
-    gpu.correctness(torch.device("cpu"), report)
-    checks = report["correctness"]
+    checks = gpu.correctness(torch.device("cpu"))
     assert [c["check"] for c in checks] == [t[0] for t in tiny] + ["int64"]
     assert all(c["pass"] for c in checks[:2]), checks
-    assert "| causal Nq<Nk D=24 GQA | ok |" in gpu.markdown(report)
+    results = gpu.Results(suite="gpu", mode="full", command="", machine={})
+    results.stages["correctness"] = checks
+    assert "| causal Nq<Nk D=24 GQA | ok |" in gpu.correctness_lines(results)

@@ -249,8 +249,8 @@ def pad_dim(d: int) -> int:
 @dataclass(frozen=True)
 class Config:
     """Tile sizes and launch parameters. Defaults (by padded head dim) follow the Triton
-    fused-attention tutorial's choices; they are not yet tuned on a GPU (benchmarks/gpu.py
-    sweeps a few)."""
+    fused-attention tutorial's choices; they are not yet tuned on a GPU (the gpu
+    benchmark suite sweeps a few)."""
 
     fwd_block: tuple[int, int]  # (query rows, keys) per forward tile
     bwd_block: tuple[int, int]  # (query rows, keys) per backward tile (dK/dV and dQ)
