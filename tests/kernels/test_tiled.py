@@ -99,3 +99,23 @@ def test_lse_gradient_flows():
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     assert grads[0][0].abs().sum() > 0
+
+
+def test_backward_keeps_short_strips_and_recomputes_long_ones(monkeypatch):
+    """With strips on both sides of STRIP_KEEP (causal: strip lengths grow), the strips that fit
+    keep P and dP between the backward's phases, the others recompute them: same gradients,
+    bit for bit (it failed with an empty buffer when the longest strip did not fit)."""
+    from qkv.kernels import steps
+
+    be = TiledBackend(8, 8, max_rows=8, max_cols=16)
+    q, k, v = make_qkv(B=1, H=2, Nq=64, D=8, requires_grad=True)
+
+    def grads():
+        out = qkv.attention(q, k, v, causal=True, backend=be)
+        return torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    kept = grads()
+    monkeypatch.setattr(steps, "STRIP_KEEP", 2 * 8 * 32)  # strips of ≤ 32 keys still fit
+    mixed = grads()
+    for a, b in zip(kept, mixed, strict=True):
+        assert torch.equal(a, b)

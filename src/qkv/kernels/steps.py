@@ -337,8 +337,8 @@ def backward_loop(
     # P and dP of a strip, and the products, live in buffers reused from strip to strip:
     # allocating them anew hands glibc fresh mappings, and every fresh page costs a fault.
     per_strip = [G * (st.stop - st.start) * sum(r.stop - r.start for r in st.runs) for st in strips]
-    longest = max(per_strip, default=0)
-    keep_max = longest if B * Hkv * longest <= STRIP_KEEP else 0
+    # the largest P a strip keeps between its phases (strips beyond STRIP_KEEP recompute it)
+    keep_max = max((n for n in per_strip if B * Hkv * n <= STRIP_KEEP), default=0)
     run_max = max(
         (G * (st.stop - st.start) * (r.stop - r.start) for st in strips for r in st.runs),
         default=0,
