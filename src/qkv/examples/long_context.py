@@ -203,11 +203,22 @@ def _init(rank: int, world: int, timeout_s: float) -> None:
     )
 
 
+def _leave() -> None:
+    """Leave the group so that the process can exit cleanly. A gloo worker thread drops its
+    reference to a finished collective's tensors after the caller has moved on, and that needs
+    the GIL; if the interpreter is already shutting down by then, the thread is torn down inside
+    a C++ destructor and the process aborts ("terminate called without an active exception").
+    A barrier waits, with the GIL released, until every rank is here, by which time the worker
+    threads have released the earlier collectives."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawned(rank: int, world: int, port: int, args) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     _init(rank, world, args.timeout)
     code = run_rank(args, rank, world)
-    dist.destroy_process_group()
+    _leave()
     if code:
         sys.exit(code)
 
@@ -218,7 +229,7 @@ def main(argv=None) -> int:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         _init(rank, world, args.timeout)
         code = run_rank(args, rank, world)
-        dist.destroy_process_group()
+        _leave()
         return code
     import torch.multiprocessing as mp
 
