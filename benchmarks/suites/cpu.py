@@ -402,7 +402,10 @@ def prepare(_: Settings) -> None:
 def facts(_: Settings) -> dict[str, Any]:
     from qkv.kernels import cpu
 
-    isa, why = cpu.isa.choose(cpu.load())
+    try:
+        isa, why = cpu.isa.choose(cpu.load())
+    except Exception as error:  # the kernel's API is young: a missing fact must not stop the run
+        isa, why = None, f"unknown ({short_error(error)})"
     return {"software": {"qkv CPU kernel path": isa or why}}
 
 
