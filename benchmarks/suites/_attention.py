@@ -1,5 +1,6 @@
-"""The attention problem several suites share: fp32 q, k, v of shape (B, H, N, D) on the CPU,
-seeded, with a fixed upstream gradient, and FlashAttention's FLOP count."""
+"""The attention problem several suites share: q, k, v of shape (B, H, N, D) on the CPU (fp32
+unless asked otherwise), seeded, with a fixed upstream gradient, and FlashAttention's FLOP
+count."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ BATCH, HEADS, HEAD_DIM = 1, 8, 64
 SHAPE_TEXT = f"fp32, B={BATCH}, H={HEADS}, D={HEAD_DIM}, Nq = Nk = N, CPU"
 
 
-def inputs(n: int, backward: bool, seed: int = 0) -> Inputs:
+def inputs(n: int, backward: bool, seed: int = 0, dtype: torch.dtype = torch.float32) -> Inputs:
     """((q, k, v), grad): q, k, v require grad and `grad` is the output's gradient when
-    `backward`; else ((q, k, v), None)."""
+    `backward`; else ((q, k, v), None). Drawn directly in `dtype`."""
     gen = torch.Generator().manual_seed(seed)
     shape = (BATCH, HEADS, n, HEAD_DIM)
-    q, k, v, grad = (torch.randn(shape, generator=gen) for _ in range(4))
+    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=dtype) for _ in range(4))
     if not backward:
         return (q, k, v), None
     return (q.requires_grad_(), k.requires_grad_(), v.requires_grad_()), grad

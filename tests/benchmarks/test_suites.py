@@ -4,14 +4,16 @@ arithmetic of the suites' own figures on synthetic results."""
 
 from __future__ import annotations
 
-import pytest
-from benchmarks.report import Row, read_sections
-from benchmarks.results import CaseRecord, Results, Timing, type_path
-from benchmarks.run import load_suite, main, suite_names
-from benchmarks.suite import FWD, Group
-from benchmarks.suites import decode, distributed, sparse
+import sys
 
-SUITES = ("core", "decode", "distributed", "gpu", "hf", "sparse", "vision")
+import pytest
+from benchmarks.report import MemoryRow, Row, read_sections
+from benchmarks.results import CaseRecord, MemoryResult, Results, Timing, type_path
+from benchmarks.run import load_suite, main, suite_names
+from benchmarks.suite import FWD, FWD_BWD, Group
+from benchmarks.suites import cpu, decode, distributed, sparse
+
+SUITES = ("core", "cpu", "decode", "distributed", "gpu", "hf", "sparse", "vision")
 
 
 def test_the_suites_are_found_by_name(capsys):
@@ -106,3 +108,77 @@ def test_distributed_shares_and_balance():
     assert distributed.balance(zigzag) == pytest.approx(1.1)
     targets = [t.evaluate(res) for t in distributed.SUITE.targets]
     assert [t["passed"] for t in targets] == [True, None, True]
+
+
+def test_cpu_says_when_the_compiled_kernel_is_missing(monkeypatch, capsys):
+    import qkv.kernels
+
+    monkeypatch.delattr(qkv.kernels, "cpu", raising=False)
+    monkeypatch.setitem(sys.modules, "qkv.kernels.cpu", None)  # import fails
+    assert "compiled CPU kernel" in cpu.requires()
+    assert main(["cpu", "--quick"]) == 2
+    assert "benchmarks: cpu needs qkv's compiled CPU kernel" in capsys.readouterr().err
+
+
+def test_cpu_quick_is_small_and_its_targets_name_the_run_sizes(tmp_path):
+    q, f = cpu.QUICK, cpu.FULL
+    assert q.dense_n <= 1024 and q.sparse_n <= 2048 and q.decode_nk <= 4096
+    assert max(n for _, n, _ in q.memory) <= 16384 and q.slow_on == (("sliding", "fp32"),)
+    assert f.dense_n == 4096 and f.sparse_n == 16384 and f.decode_nk == 32768
+    assert f.memory == (("longformer", 65536, "fp32"), ("sliding", 1_048_576, "bf16"))
+    assert set(f.patterns) == {
+        ("sliding", "fp32"), ("longformer", "fp32"), ("bigbird", "fp32"), ("document", "fp32"),
+        ("sliding", "bf16"),
+    }  # fmt: skip
+    out = tmp_path / "b.md"
+    assert main(["cpu", "--quick", "--dry-run", "--out", str(out)]) == 0
+    results = Results.read(tmp_path / "b-cpu.json")
+    names = [t["name"] for t in results.targets]
+    assert "dense fp32, N=512, fwd: `cpu` ×SDPA" in names
+    assert "sliding window bf16, N=8192, fwd+bwd: MiB beyond the caller's tensors" in " ".join(
+        names
+    )
+    assert all("{" not in name for name in names)
+    groups = {c.group for c in results.cases}
+    assert groups == {"dense", "patterns", "decode", "small"}
+
+
+def test_cpu_decode_bandwidth_memory_and_load_figures():
+    case = cpu.Decode(1, 32768, 32, 8, 128)
+    assert case.kv_bytes == 256 * 2**20
+    res = results_for("decode", case, {"cpu": 0.02, "sdpa": 0.04, "copy": 0.05})
+    res.settings = {
+        **vars(cpu.FULL),
+        "memory": cpu.FULL.memory,
+        "load_n": cpu.FULL.load_n,
+    }
+    t = res.timing("decode", case, "cpu", FWD)
+    t.ratios = {
+        "sdpa": {"median": 2.0, "lo": 2.0, "hi": 2.0},
+        "copy": {"median": 2.5, "lo": 2.5, "hi": 2.5},
+    }
+    # 256 MiB read in 0.02 s against 512 MiB moved in 0.05 s: 1.25 of the copy's bandwidth
+    assert cpu.kv_share(Row(res, "decode", case, "cpu")) == pytest.approx(1.25)
+    assert cpu.kv_share(Row(res, "decode", case, "copy")) is None
+    long = cpu.Pattern("longformer", 65536, "fp32")
+    res.memory.append(MemoryResult("patterns", dict(vars(long)), "cpu", FWD_BWD, peak_mib=600.0))
+    row = MemoryRow(long, "cpu", res.memory[0])
+    assert cpu.returned_mib(row) == 512  # out, dq, dk, dv: 128 MiB each
+    assert cpu.beyond_callers(row) == pytest.approx(88.0)
+    slow = {"median": 1.2, "lo": 1.1, "hi": 1.3}
+    res.stages["load"] = [
+        {"case": "dense fp32", "n": 4096, "impls": {"cpu": {"slowdown": slow},
+                                                    "sdpa": {"slowdown": {**slow, "median": 1.5}}}},
+    ]  # fmt: skip
+    shown = {t["name"]: t for t in (target.evaluate(res) for target in cpu.SUITE.targets)}
+    assert shown["decoding, Nk=32768: `cpu` ×SDPA (enable_gqa)"]["passed"] is True
+    assert shown["decoding, Nk=32768: `cpu` K/V read as % of copy bandwidth"]["shown"] == "125%"
+    assert shown["Longformer fp32, N=65536, fwd+bwd: MiB beyond the caller's tensors"][
+        "measured"
+    ] == pytest.approx(88.0)
+    load = shown["dense fp32, N=4096, fwd under load: `cpu` slowdown ÷ SDPA's"]
+    assert load["measured"] == pytest.approx(0.8) and load["passed"] is True
+    assert (
+        shown["sliding window fp32, N=16384, fwd under load: `cpu` slowdown ÷ SDPA's"]["passed"]
+        is None
+    )
