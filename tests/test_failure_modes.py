@@ -168,8 +168,8 @@ def test_unknown_backend(qkv3):
     q, k, v = qkv3
     with pytest.raises(
         ValueError,
-        match=r"backend='flash' is unknown; expected one of 'auto', 'sdpa', 'triton', 'tiled', "
-        r"'reference'",
+        match=r"backend='flash' is unknown; expected one of 'auto', 'cpu', 'sdpa', 'triton', "
+        r"'tiled', 'reference'",
     ):
         qkv.attention(q, k, v, backend="flash")
 

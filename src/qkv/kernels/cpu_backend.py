@@ -1,0 +1,192 @@
+"""`cpu` backend: qkv's compiled block-sparse FlashAttention-2 for the CPU (C++, `kernels/cpu/`).
+
+The same algorithm as `tiled` (which stays the readable reference of it), compiled: the forward
+walks the kept `block_q × 64` tiles of the block layout (`cpu/layout.py`) row by row and saves
+each row's max m and denominator l; the backward walks them column by column and recomputes the
+probabilities from (m, l). EMPTY tiles are never computed, FULL tiles run with no mask
+arithmetic, PARTIAL tiles are masked by their bits. Grouped kv heads are read once per group;
+ALiBi and softcap run inside the tiles; dropout uses `qkv.dropout`'s counter-based hash, so it
+drops exactly what the reference backend drops. Products accumulate in float (≤ 64 terms per
+tile) and across tiles in double, which makes the kernel more accurate than the float32
+reference; the forward and the backward compute every score with the same instructions.
+
+Threads: torch's intra-op pool (`torch.set_num_threads` holds), one parallel region per call,
+items pulled from a shared counter, so a busy core slows a call by its share only. Rows of tiles
+(forward) and chunks of key columns (backward) are cut finely enough to keep every thread busy
+even for B·H = 1; a few long rows (decoding: Nq ≤ 16 against a long KV cache) are split across
+threads and merged by their log-sum-exp.
+
+What it refuses (`why_not`), each with its reason: float64 (it computes in float32; tiled runs
+float64), returned weights, float masks (additive bias), score modifiers other than ALiBi and
+softcap (relative_bias has a learnable table; a Python modifier cannot be compiled), tensors not
+on the CPU, and a kernel that could not be built (no compiler: see `qkv build`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import AttentionPlan
+from .base import Result
+
+# fp16/bf16/fp32 inputs; everything accumulates in float32/float64 inside
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Below these score elements per head (Nq·Nk), torch SDPA beat the kernel on requests it can
+# run (fixed cost of a call against SDPA's ~20 µs), measured with benchmarks/cpu.py on 2 cores:
+# float32 from about 200×200 (the backward's crossover; the forward's is ~64×64), 16-bit from
+# about 32×32.
+SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.float16: 32 * 32}
+
+
+def default_block_q(groups: int) -> int:
+    """Query rows per tile: 64, fewer when G query heads share a kv head (an item's rows are the
+    tile's rows of all G heads), but at least 16."""
+    bq = 64
+    while bq > 16 and bq * groups > 64:
+        bq //= 2
+    return bq
+
+
+def _mods(plan: AttentionPlan) -> tuple[tuple[torch.Tensor | None, float, bool] | None, str | None]:
+    """`((slopes, softcap, alibi_after_softcap), None)` for the kernel, or `(None, reason)`."""
+    mod = plan.score_mod
+    if mod is None:
+        return (None, 0.0, False), None
+    if mod.parts is None:
+        return None, (
+            f"score_mod {mod!r} is Python code the compiled kernel cannot run (it runs alibi and "
+            "softcap from qkv.scores; tiled runs any modifier)"
+        )
+    slopes, cap, after = None, 0.0, False
+    for part in mod.parts:
+        if part[0] == "alibi" and slopes is None:
+            slopes, after = part[1], cap != 0.0
+        elif part[0] == "softcap" and cap == 0.0:
+            cap = float(part[1])
+        elif part[0] == "rel":
+            return None, "relative_bias has a learnable table the compiled kernel does not train"
+        else:
+            return None, f"the compiled kernel runs at most one {part[0]} modifier"
+    return (slopes, cap, after), None
+
+
+class _Call:
+    """One attention call as the ops see it: the plan's scalars, the layout, the ISA."""
+
+    def __init__(self, ops, plan: AttentionPlan, layout, isa: str, mods):
+        self.ops, self.plan, self.layout, self.isa = ops, plan, layout, isa
+        slopes, self.softcap, self.alibi_after = mods
+        self.slopes = None if slopes is None else slopes.to(torch.float32)
+        self.seed = plan.dropout_seed if plan.dropout_p > 0 else 0
+
+    def forward(self, q, k, v):
+        L, p = self.layout, self.plan
+        return self.ops.forward(
+            q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.block_q, p.scale, self.slopes,
+            self.softcap, self.alibi_after, p.dropout_p, self.seed, self.isa,
+        )  # fmt: skip
+
+    def backward(self, dout, dlse, q, k, v, out, m, l):
+        L, p = self.layout, self.plan
+        return self.ops.backward(
+            dout, dlse, q, k, v, out, m, l, L.col_ptr, L.row_idx, L.code_t, L.bits, L.block_q,
+            p.scale, self.slopes, self.softcap, self.alibi_after, p.dropout_p, self.seed,
+            self.isa,
+        )  # fmt: skip
+
+
+class _CpuAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, call):  # type: ignore[override]
+        out, m, l, lse = call.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, m, l)  # O(N·d): q, k, v, out; (m, l) per row
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):  # type: ignore[override]
+        q, k, v, out, m, l = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ctx.call.backward(dout, dlse, q, k, v, out, m, l)
+        return dq, dk, dv, None
+
+
+class CpuBackend:
+    """qkv's compiled CPU kernel (module docstring). `block_q`: query rows per tile (default
+    `default_block_q(G)`); a tile is always 64 keys wide."""
+
+    name = "cpu"
+
+    def __init__(self, block_q: int | None = None):
+        if block_q is not None and (
+            isinstance(block_q, bool) or not isinstance(block_q, int) or block_q < 1
+        ):
+            raise ValueError(f"block_q must be a positive int or None, got {block_q!r}")
+        self.block_q = block_q
+
+    def __repr__(self) -> str:
+        return "CpuBackend()" if self.block_q is None else f"CpuBackend(block_q={self.block_q})"
+
+    def why_not(
+        self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> str | None:
+        if plan.device.type != "cpu":
+            return f"tensors are on {plan.device}; the cpu backend runs on CPU tensors"
+        if plan.dtype not in _DTYPES:
+            return (
+                f"the compiled CPU kernel computes float32 (from fp32/bf16/fp16 inputs), "
+                f"not {plan.dtype}; tiled runs it"
+            )
+        if plan.return_weights:
+            return "the cpu backend never materialises the attention weights (use 'reference')"
+        if plan.bias is not None:
+            return "a float mask (additive bias) is not read by the compiled kernel; tiled takes it"
+        _, why = _mods(plan)
+        if why is not None:
+            return why
+        return self._kernel()[2]
+
+    def auto_skip(self, plan: AttentionPlan) -> str | None:
+        """Why `auto` lets the next backend run a request this one could (None: it doesn't):
+        tiny problems that torch SDPA can run (no lse, dropout, score modifier, structured mask
+        or float mask) are faster there."""
+        plain = not (plan.return_lse or plan.dropout_p > 0 or plan.score_mod is not None)
+        plain = plain and plan.mask_rule is None and plan.bias is None
+        limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
+        if plain and plan.q_len * plan.kv_len < limit:
+            return (
+                f"torch SDPA is faster below {limit} scores per head (this request has "
+                f"{plan.q_len}×{plan.kv_len})"
+            )
+        return None
+
+    @staticmethod
+    def _kernel():
+        """`(ops, isa, None)` of the compiled kernel, or `(None, None, reason)`; builds it on
+        first use."""
+        from . import cpu
+
+        try:
+            ops = cpu.load()
+        except cpu.KernelUnavailable as err:
+            return None, None, f"the compiled CPU kernel is unavailable: {err} (see `qkv build`)"
+        isa, why = cpu.isa.choose(ops)
+        return (ops, isa, None) if why is None else (None, None, why)
+
+    def forward(
+        self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> Result:
+        from .cpu import build_layout
+
+        ops, isa, why = self._kernel()
+        if why is None:
+            mods, why = _mods(plan)
+        if why is not None:
+            raise NotImplementedError(f"backend='cpu' cannot run this request: {why}")
+        bq = self.block_q or default_block_q(plan.groups)
+        call = _Call(ops, plan, build_layout(plan, bq), isa, mods)
+        out, lse = _CpuAttention.apply(q, k, v, call)
+        return out, lse, None
