@@ -3,7 +3,8 @@
 - `qkv explain`: the textbook walk-through on real numbers;
 - `qkv attend TEXT --token WORD`: where a word looks in the real all-MiniLM-L6-v2;
 - `qkv bench`: the cost curve, time and memory against N;
-- `qkv demo`: all three, written to a folder with a report.
+- `qkv demo`: all three, written to a folder with a report;
+- `qkv build`: compile the CPU attention kernel now (otherwise it is compiled at first use).
 
 Bad input ends with a one-line message on stderr and a non-zero exit code, never a traceback:
 2 for a bad argument or a request the input cannot answer, 1 for a missing optional package.
@@ -76,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     de = sub.add_parser("demo", help="explain, attend and bench, written to a folder")
     de.add_argument("--out", default="qkv-demo", help="the folder (default qkv-demo)")
     de.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    bu = sub.add_parser("build", help="compile the CPU attention kernel now (else at first use)")
+    bu.add_argument("--force", action="store_true", help="rebuild, also after a failed build")
+    bu.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     return ap
 
 
@@ -148,6 +153,25 @@ def _run_bench(args) -> None:
         print(f"plot: {args.png}")
 
 
+def _build(args) -> int:
+    from .kernels.cpu import build, isa
+
+    try:
+        ops = build.load(force=args.force, verbose=args.verbose)
+    except build.KernelUnavailable as e:
+        cause = e.__cause__
+        if cause is not None and args.verbose:
+            print(str(cause).strip()[-4000:], file=sys.stderr)
+        print(f"qkv build: error: the CPU kernel could not be built: {e}", file=sys.stderr)
+        return MISSING_PACKAGE
+    have = ", ".join(f"{name} {'yes' if ops.isa_supported(name) else 'no'}" for name in isa.ISAS)
+    chosen, why = isa.choose(ops)
+    print(f"CPU attention kernel: {build.build_dir() / (build.NAME + '.so')}")
+    print(f"instruction sets on this CPU: {have}")
+    print(f"runs: {chosen} ({isa.ENV} forces one)" if why is None else f"cannot run: {why}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (argparse exits with 2 on bad arguments)."""
     parser = _parser()
@@ -164,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             from .inspect import demo
 
             demo.run(args.out, progress=not args.no_progress)
+        elif args.command == "build":
+            return _build(args)
     except _Refused as e:
         print(f"qkv {args.command}: error: {e}", file=sys.stderr)
         return USAGE_ERROR

@@ -86,12 +86,12 @@ def _library(folder: Path) -> Path:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    for line in text.splitlines():
-        line = line.strip()
-        if "error" in line.lower() and line.lower() != "error building extension":
+    """The line of a failed build worth showing: the compiler's first `error:`, else the start."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:
+        if "error:" in line:
             return line[:300]
-    return (text.splitlines() or [type(err).__name__])[0][:300]
+    return (lines or [type(err).__name__])[0][:300]
 
 
 def _compile(folder: Path, verbose: bool) -> None:
@@ -103,6 +103,9 @@ def _compile(folder: Path, verbose: bool) -> None:
             os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
     if shutil.which("ninja") is None:
         raise KernelUnavailable("ninja is not installed (pip install ninja)")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise KernelUnavailable(f"no C++ compiler ({compiler!r} is not on PATH; install g++)")
     cpp_extension.load(
         name=NAME,
         sources=[str(CSRC / s) for s in SOURCES],
