@@ -34,8 +34,11 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_portable.cpp")
 HEADERS = ("problem.h", "kernel.h", "simd_avx512.h", "simd_avx2.h", "simd_portable.h")
 # -ffp-contract=off: a product and a sum are fused only where the code says so, so the scores
-# the forward and the backward compute are the same bits.
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno")
+# the forward and the backward compute are the same bits. -fopenmp at compile time only: the
+# OpenMP pragma inside at::parallel_for (a header template) is compiled into ops.cpp, and its
+# GOMP_* calls resolve at load time to the OpenMP runtime torch itself loaded (no second
+# runtime is linked), so the kernel runs on torch's thread pool and torch.set_num_threads holds.
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 FAILED = "build-failed.txt"
 
 

@@ -151,25 +151,33 @@ def _allowed(plan: AttentionPlan, rows: torch.Tensor, cols: torch.Tensor, dims) 
     bm, hm = dims
     nq, nk = plan.q_len, plan.kv_len
     shape = torch.broadcast_shapes(rows.shape, cols.shape)
-    allowed = torch.ones((bm, hm, *shape), dtype=torch.bool)
     extra = (1,) * len(shape)
+    parts = []
     if plan.causal:
-        allowed &= cols <= rows + (nk - nq)
+        parts.append(cols <= rows + (nk - nq))
     if plan.mask_rule is not None:
         bi = torch.arange(bm).view(-1, 1, *extra)
         hi = torch.arange(hm).view(1, -1, *extra)
-        allowed &= plan.mask_rule.evaluate(bi, hi, rows, cols, nq, nk)
+        parts.append(plan.mask_rule.evaluate(bi, hi, rows, cols, nq, nk))
     if plan.mask is not None:
         m = plan.mask.to("cpu")
         b_idx = torch.arange(bm).view(-1, 1, *extra) if m.shape[0] > 1 else 0
         h_idx = torch.arange(hm).view(1, -1, *extra) if m.shape[1] > 1 else 0
-        r_idx = rows if m.shape[2] > 1 else 0
-        c_idx = cols if m.shape[3] > 1 else 0
-        allowed &= m[b_idx, h_idx, r_idx, c_idx]
-    return allowed
+        parts.append(m[b_idx, h_idx, rows if m.shape[2] > 1 else 0, cols if m.shape[3] > 1 else 0])
+    allowed = parts[0]
+    for part in parts[1:]:
+        allowed = allowed & part
+    return allowed.expand(bm, hm, *shape)
 
 
-_SHIFTS = torch.arange(BLOCK_K, dtype=torch.int64)
+_BYTE_BITS = 1 << torch.arange(8, dtype=torch.uint8)  # weights of the 8 bits of a byte
+
+
+def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """`(..., 64)` bool → `(...)` int64 with bit c set where key c is allowed: 8 keys to a byte,
+    then the 8 bytes read as one little-endian int64 (the byte order of x86 and ARM)."""
+    eights = allowed.reshape(*allowed.shape[:-1], 8, 8).to(torch.uint8) * _BYTE_BITS
+    return eights.sum(-1, dtype=torch.uint8).contiguous().view(torch.int64).squeeze(-1)
 
 
 def _partial_bits(plan: AttentionPlan, tiles: torch.Tensor, bq: int, dims) -> torch.Tensor:
@@ -185,10 +193,10 @@ def _partial_bits(plan: AttentionPlan, tiles: torch.Tensor, bq: int, dims) -> to
         t = tiles[a : a + per_chunk]
         rows = t[:, 0].view(-1, 1, 1) * bq + r_off  # (p, bq, 1)
         cols = t[:, 1].view(-1, 1, 1) * BLOCK_K + c_off  # (p, 1, 64)
-        inside = (rows < nq) & (cols < nk)
-        allowed = _allowed(plan, rows.clamp(max=nq - 1), cols.clamp(max=nk - 1), dims) & inside
-        words = (allowed.to(torch.int64) << _SHIFTS).sum(-1)  # distinct bits: the sum is an OR
-        out[a : a + per_chunk] = words.permute(2, 0, 1, 3)
+        allowed = _allowed(plan, rows.clamp(max=nq - 1), cols.clamp(max=nk - 1), dims)
+        if (rows[:, -1, 0] >= nq).any() or (cols[:, 0, -1] >= nk).any():  # tiles on an edge
+            allowed = allowed & (rows < nq) & (cols < nk)
+        out[a : a + per_chunk] = _pack_bits(allowed).permute(2, 0, 1, 3)
     return out
 
 

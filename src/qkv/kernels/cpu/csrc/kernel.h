@@ -270,10 +270,18 @@ static void buf_free(Buf& w) {
 
 // ------------------------------------------------------------------------- packing
 
-// K rows c0 … c0+kw−1 of (b, hkv) → kr (64 × Dp, zero rows past kw) and kt = krᵀ (Dp × 64)
+// K rows c0 … c0+kw−1 of (b, hkv) → kr (64 × Dp, zero rows past kw) and kt = krᵀ (Dp × 64).
+// Without `need_kr` (the forward), a whole float32 tile is transposed from the tensor itself.
 static void pack_k(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw, Buf& w,
-                   bool sanitize) {
+                   bool sanitize, bool need_kr) {
   const int64_t Dp = P.Dp;
+  if (!need_kr && !sanitize && P.dtype == DT_F32 && kw == BK && P.D == Dp) {
+    const float* src = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
+    for (int64_t d0 = 0; d0 < Dp; d0 += 16)
+      for (int64_t j0 = 0; j0 < BK; j0 += 16)
+        transpose16(src + j0 * P.k.sn + d0, P.k.sn, w.kt + d0 * BK + j0, BK);
+    return;
+  }
   for (int64_t j = 0; j < kw; ++j) {
     float* dst = w.kr + j * Dp;
     load_row(row_of(P.k, P.dtype, b, hkv, c0 + j), P.dtype, P.D, Dp, dst);
@@ -353,6 +361,19 @@ static void finish_rows(const Problem& P, int64_t b, int64_t hkv, int64_t r0, in
   }
 }
 
+// whether V tile j of (b, hkv) is all finite: computed by the first item that reads it, then
+// remembered for the call (a benign race: every writer stores the same value)
+static inline bool tile_v_finite(const Problem& P, const FwdPlan& F, int64_t b, int64_t hkv,
+                                 int64_t j, const float* vb, int64_t kw, int64_t ldv) {
+  int8_t* flag = F.v_finite + (b * P.Hkv + hkv) * P.lay.nkb + j;
+  int8_t known = __atomic_load_n(flag, __ATOMIC_RELAXED);
+  if (known < 0) {
+    known = rows_finite(vb, kw, ldv, P.Dvp) ? 1 : 0;
+    __atomic_store_n(flag, known, __ATOMIC_RELAXED);
+  }
+  return known == 1;
+}
+
 static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf& w) {
   const Layout& L = P.lay;
   const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, i = it.i;
@@ -376,7 +397,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
   for (int64_t e = it.e0; e < it.e1; ++e) {
     const int64_t j = L.col_idx[e], code = L.code[e], c0 = j * BK, kw = imin(BK, P.Nk - c0);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
-    pack_k(P, b, hkv, c0, kw, w, false);
+    pack_k(P, b, hkv, c0, kw, w, false, false);
     const float* vb;
     int64_t ldv;
     if (P.dtype == DT_F32 && P.Dv == Dvp && kw == BK) {
@@ -423,7 +444,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       w.alpha[R] = alpha;
     }
     // P V in four chains of 16 keys, summed in double: a tile adds ≤ 16 float roundings
-    const bool v_finite = rows_finite(vb, kw, ldv, Dvp);
+    const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv);
     const int64_t n_chains = (kw + 15) / 16;
     for (int64_t c = 0; c < n_chains; ++c) {
       const int64_t k0 = 16 * c, kn = imin(16, kw - k0);
@@ -572,7 +593,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
     const int64_t c0 = j * BK, kw = imin(BK, P.Nk - c0);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
     if (e1 > e0) {
-      pack_k(P, b, hkv, c0, kw, w, true);
+      pack_k(P, b, hkv, c0, kw, w, true, true);
       pack_v(P, b, hkv, c0, kw, w, true, true);
       if (P.exact_scores)
         for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];

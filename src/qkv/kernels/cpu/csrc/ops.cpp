@@ -204,6 +204,7 @@ void run_parallel(const Work& work) {
 struct FwdState {
   std::vector<FwdItem> items;
   std::vector<int32_t> nsplit, done;
+  std::vector<int8_t> v_finite;
   std::vector<int64_t> part_base;
   std::vector<float> part_m;
   std::vector<double> part_l, part_acc;
@@ -265,6 +266,8 @@ void plan_forward(const Problem& P, FwdState& S) {
   F.part_l = S.part_l.data();
   F.part_acc = S.part_acc.data();
   F.mmax = mmax;
+  S.v_finite.assign(BH * L.nkb, -1);
+  F.v_finite = S.v_finite.data();
 }
 
 // ---------------------------------------------------------------------------- backward plan

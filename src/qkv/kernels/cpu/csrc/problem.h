@@ -87,6 +87,7 @@ struct FwdPlan {
   double* part_l;            // per slot: mmax rows
   double* part_acc;          // per slot: mmax × Dvp
   int64_t mmax;              // most rows of an item: G · bq
+  int8_t* v_finite;          // per (b, hkv, key tile): −1 unknown, 0/1 whether V is finite
 };
 
 // Backward work item: key tiles of chunk c of (b, kv head hkv).
