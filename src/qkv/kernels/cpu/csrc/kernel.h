@@ -313,8 +313,23 @@ static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t
 // inputs the products (exact in double) are summed in double (q64, kt64), so every score
 // carries a single rounding where the float32 reference's carries its dot product's D
 // roundings; for 16-bit inputs, whose outputs round to 16 bits, float sums suffice.
+//
+// Decoding (Nq·G ≤ 16 rows) takes the dot-product form instead: each score is summed over d in
+// SIMD lanes straight from the key rows `krows` (no transposed tile). Which form runs depends on
+// the problem only, so the forward and the backward still compute the same bits.
 static void tile_scores(const Problem& P, int64_t M, const float* q, const double* q64, int64_t ldq,
-                        Buf& w) {
+                        const float* krows, int64_t ldk, int64_t kw, Buf& w) {
+  if (P.dot_scores) {
+    for (int64_t j = 0; j < kw; ++j) {
+      if (P.exact_scores)
+        dot_rows64(q64, ldq, M, krows + j * ldk, P.D, w.s + j, BK, P.mods.scale64);
+      else
+        dot_rows32(q, ldq, M, krows + j * ldk, P.D, w.s + j, BK, P.mods.scale);
+    }
+    for (int64_t R = 0; R < M; ++R)
+      for (int64_t j = kw; j < BK; ++j) w.s[R * BK + j] = 0.0f;
+    return;
+  }
   if (P.exact_scores) {
     gemm64(M, BK, P.D, q64, ldq, 1, w.kt64, BK, w.s64, BK);
     const double scale = P.mods.scale64;
@@ -397,7 +412,19 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
   for (int64_t e = it.e0; e < it.e1; ++e) {
     const int64_t j = L.col_idx[e], code = L.code[e], c0 = j * BK, kw = imin(BK, P.Nk - c0);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
-    pack_k(P, b, hkv, c0, kw, w, false, false);
+    const float* krows = w.kr;
+    int64_t ldk = Dp;
+    if (!P.dot_scores) {
+      pack_k(P, b, hkv, c0, kw, w, false, false);
+      if (P.exact_scores && !P.dot_scores)
+        for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
+    } else if (P.dtype == DT_F32) {
+      krows = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
+      ldk = P.k.sn;
+    } else {
+      for (int64_t jj = 0; jj < kw; ++jj)
+        load_row(row_of(P.k, P.dtype, b, hkv, c0 + jj), P.dtype, P.D, Dp, w.kr + jj * Dp);
+    }
     const float* vb;
     int64_t ldv;
     if (P.dtype == DT_F32 && P.Dv == Dvp && kw == BK) {
@@ -409,9 +436,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       ldv = Dvp;
     }
     if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
-    if (P.exact_scores)
-      for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
-    tile_scores(P, M, w.q, w.q64, Dp, w);
+    tile_scores(P, M, w.q, w.q64, Dp, krows, ldk, kw, w);
     for (int64_t R = 0; R < M; ++R) {
       float* srow = w.s + R * BK;
       float* prow = w.p + R * BK;
@@ -631,7 +656,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           w.bitoff[r] = ((L.bm > 1 ? b : 0) * L.hm + (L.hm > 1 ? h : 0)) * bq + r;
           if (P.drop.on) w.rowh[r] = drop_row_hash(P.drop, b * P.H + h, r0 + r);
         }
-        tile_scores(P, nr, w.q, w.q64, Dp, w);
+        tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
         gemm64(nr, BK, P.Dv, w.dO64, P.Dv, 1, w.vt64, BK, w.dp64, BK);
         for (int64_t r = 0; r < nr; ++r) {
           float* srow = w.s + r * BK;

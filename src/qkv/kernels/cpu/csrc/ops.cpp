@@ -158,6 +158,7 @@ Inputs inputs_of(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v
                   v_.size(1) == P.Hkv && v_.size(2) == P.Nk && P.Hkv > 0 && P.H % P.Hkv == 0,
               "qkv_cpu: shapes of q, k, v do not form an attention problem");
   P.G = P.H / P.Hkv;
+  P.dot_scores = P.Nq * P.G <= 16 ? 1 : 0;
   P.Dp = (P.D + 15) / 16 * 16;
   P.Dvp = (P.Dv + 15) / 16 * 16;
   P.dtype = dtype_code(in.q);

@@ -57,6 +57,7 @@ struct Problem {
   int64_t Dp, Dvp;  // D and Dv rounded up to 16: the padded width of packed rows
   int32_t dtype;
   int32_t exact_scores;  // 1: scores summed in double (float32 inputs), 0: in float
+  int32_t dot_scores;    // 1: scores as per-key dot products (decoding: Nq·G ≤ 16), 0: gemm
   View q, k, v, out, dout;
   float* m;            // (B, H, Nq) row max of the scores (kernel's own units)
   double* l;           // (B, H, Nq) softmax denominator, relative to m

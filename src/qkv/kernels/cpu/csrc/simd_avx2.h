@@ -332,3 +332,44 @@ static inline void acc_chains(double* acc, const float* x, int64_t stride, int64
     _mm256_storeu_pd(acc + i, _mm256_fmadd_pd(_mm256_loadu_pd(acc + i), a, s));
   }
 }
+
+static inline double hsum4d(__m256d x) {
+  __m128d s = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const float* k, int64_t n,
+                              float* out, int64_t lds, double scale) {
+  const int64_t n8 = n & ~int64_t(7);
+  for (int64_t r0 = 0; r0 < M; r0 += 2) {  // two rows share each widened chunk of k
+    const int64_t nr = M - r0 < 2 ? M - r0 : 2;
+    __m256d a[2][2] = {{_mm256_setzero_pd(), _mm256_setzero_pd()},
+                       {_mm256_setzero_pd(), _mm256_setzero_pd()}};
+    for (int64_t d = 0; d < n8; d += 8) {
+      const __m256d k0 = _mm256_cvtps_pd(_mm_loadu_ps(k + d));
+      const __m256d k1 = _mm256_cvtps_pd(_mm_loadu_ps(k + d + 4));
+      for (int64_t r = 0; r < nr; ++r) {
+        const double* qr = q + (r0 + r) * ldq + d;
+        a[r][0] = _mm256_fmadd_pd(_mm256_loadu_pd(qr), k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_pd(_mm256_loadu_pd(qr + 4), k1, a[r][1]);
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const double* qr = q + (r0 + r) * ldq;
+      double s = hsum4d(_mm256_add_pd(a[r][0], a[r][1]));
+      for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
+      out[(r0 + r) * lds] = (float)(s * scale);
+    }
+  }
+}
+static inline void dot_rows32(const float* q, int64_t ldq, int64_t M, const float* k, int64_t n,
+                              float* out, int64_t lds, float scale) {
+  const int64_t n16 = n & ~int64_t(15);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* qr = q + r * ldq;
+    V16 acc = v_set(0.0f);
+    for (int64_t d = 0; d < n16; d += 16) acc = v_fma(v_load(qr + d), v_load(k + d), acc);
+    float s = v_hsum(acc);
+    for (int64_t d = n16; d < n; ++d) s = __builtin_fmaf(qr[d], k[d], s);
+    out[r * lds] = s * scale;
+  }
+}

@@ -337,3 +337,40 @@ static inline void acc_chains(double* acc, const float* x, int64_t stride, int64
     _mm512_storeu_pd(acc + i, _mm512_fmadd_pd(_mm512_loadu_pd(acc + i), a, s));
   }
 }
+
+// out[r·lds] = Σ_d q[r][d]·k[d] for rows r < M: the decoding form of the scores (one key row
+// against few query rows). Sums run in 8 double lanes over d, then the lanes in a fixed tree;
+// tails past a multiple of 8 are summed after, in order. float: 16 float lanes likewise.
+static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const float* k, int64_t n,
+                              float* out, int64_t lds, double scale) {
+  const int64_t n8 = n & ~int64_t(7);
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {  // four rows share each widened chunk of k
+    const int64_t nr = M - r0 < 4 ? M - r0 : 4;
+    __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
+                      _mm512_setzero_pd()};
+    for (int64_t d = 0; d < n8; d += 8) {
+      const __m512d kd = _mm512_cvtps_pd(_mm256_loadu_ps(k + d));
+      for (int64_t r = 0; r < nr; ++r)
+        acc[r] = _mm512_fmadd_pd(_mm512_loadu_pd(q + (r0 + r) * ldq + d), kd, acc[r]);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const double* qr = q + (r0 + r) * ldq;
+      double s = _mm512_reduce_add_pd(acc[r]);
+      for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
+      out[(r0 + r) * lds] = (float)(s * scale);
+    }
+  }
+}
+static inline void dot_rows32(const float* q, int64_t ldq, int64_t M, const float* k, int64_t n,
+                              float* out, int64_t lds, float scale) {
+  const int64_t n16 = n & ~int64_t(15);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* qr = q + r * ldq;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n16; d += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(k + d), acc);
+    float s = _mm512_reduce_add_ps(acc);
+    for (int64_t d = n16; d < n; ++d) s = __builtin_fmaf(qr[d], k[d], s);
+    out[r * lds] = s * scale;
+  }
+}
