@@ -5,12 +5,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <new>
@@ -191,13 +190,69 @@ Inputs inputs_of(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v
 
 int64_t target_items() { return std::max<int64_t>(16, 4 * (int64_t)at::get_num_threads()); }
 
-// Run `work` on every thread of torch's pool; each call pulls items until none is left.
+// Below this many multiply-adds a call runs on the calling thread: a parallel region costs
+// more than it saves there, and under load its end can wait a whole scheduler slice for a
+// descheduled thread.
+constexpr int64_t INLINE_BELOW = int64_t(1) << 23;
+
+// Run `work` on every thread of torch's pool (one parallel region); each call pulls items until
+// none is left, so a thread that gets less CPU simply takes fewer items.
 template <class Work>
-void run_parallel(const Work& work) {
+void run_parallel(int64_t macs, const Work& work) {
   const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  if (nt == 1 || macs < INLINE_BELOW) {
+    work();
+    return;
+  }
   at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) work();
   });
+}
+
+// Multiply-adds of one pass over the kept tiles (scores and values), the size of a call.
+int64_t call_macs(const Problem& P, int64_t nnz) {
+  return nnz * P.B * P.H * P.lay.bq * BK * (P.D + P.Dv);
+}
+
+// Rows of query tiles that keep no tile: no item writes them (out 0, lse −inf, m −inf, l 0).
+void fill_empty_rows(const Problem& P, const at::Tensor& out) {
+  const Layout& L = P.lay;
+  const int64_t es = out.element_size();
+  for (int64_t i = 0; i < L.nqb; ++i) {
+    if (L.row_ptr[i + 1] > L.row_ptr[i]) continue;
+    const int64_t r0 = i * L.bq, r1 = std::min(P.Nq, r0 + L.bq);
+    for (int64_t bh = 0; bh < P.B * P.H; ++bh) {
+      std::memset((char*)out.data_ptr() + (bh * P.Nq + r0) * P.Dv * es, 0, (r1 - r0) * P.Dv * es);
+      for (int64_t r = r0; r < r1; ++r) {
+        P.m[bh * P.Nq + r] = -std::numeric_limits<float>::infinity();
+        P.l[bh * P.Nq + r] = 0.0;
+        P.lse[bh * P.Nq + r] = -std::numeric_limits<float>::infinity();
+      }
+    }
+  }
+}
+
+// Gradient rows no item writes: dQ rows of query tiles, dK/dV rows of key tiles, without tiles.
+void zero_untouched(const Problem& P, const at::Tensor& dq, const at::Tensor& dk,
+                    const at::Tensor& dv) {
+  const Layout& L = P.lay;
+  const int64_t es = dq.element_size();
+  std::vector<char> touched(L.nqb, 0);
+  for (int64_t e = 0; e < L.col_ptr[L.nkb]; ++e) touched[L.row_idx[e]] = 1;
+  for (int64_t i = 0; i < L.nqb; ++i) {
+    if (touched[i]) continue;
+    const int64_t r0 = i * L.bq, n = std::min(P.Nq, r0 + L.bq) - r0;
+    for (int64_t bh = 0; bh < P.B * P.H; ++bh)
+      std::memset((char*)dq.data_ptr() + (bh * P.Nq + r0) * P.D * es, 0, n * P.D * es);
+  }
+  for (int64_t j = 0; j < L.nkb; ++j) {
+    if (L.col_ptr[j + 1] > L.col_ptr[j]) continue;
+    const int64_t c0 = j * BK, n = std::min(P.Nk, c0 + BK) - c0;
+    for (int64_t bh = 0; bh < P.B * P.Hkv; ++bh) {
+      std::memset((char*)dk.data_ptr() + (bh * P.Nk + c0) * P.D * es, 0, n * P.D * es);
+      std::memset((char*)dv.data_ptr() + (bh * P.Nk + c0) * P.Dv * es, 0, n * P.Dv * es);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------- forward plan
@@ -414,19 +469,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   P.lay = layout_of(row_ptr, col_idx, tile_code, at::Tensor(), at::Tensor(), at::Tensor(), bits,
                     block_q, P.Nq, P.Nk, P.B, P.H);
   const auto opts = in.q.options();
-  at::Tensor out = at::zeros({P.B, P.H, P.Nq, P.Dv}, opts);
-  at::Tensor m = at::full({P.B, P.H, P.Nq}, -std::numeric_limits<float>::infinity(), opts.dtype(at::kFloat));
-  at::Tensor l = at::zeros({P.B, P.H, P.Nq}, opts.dtype(at::kDouble));
-  at::Tensor lse = at::full({P.B, P.H, P.Nq}, -std::numeric_limits<float>::infinity(), opts.dtype(at::kFloat));
+  // uninitialised: every row is written by an item or by fill_empty_rows
+  at::Tensor out = at::empty({P.B, P.H, P.Nq, P.Dv}, opts);
+  at::Tensor m = at::empty({P.B, P.H, P.Nq}, opts.dtype(at::kFloat));
+  at::Tensor l = at::empty({P.B, P.H, P.Nq}, opts.dtype(at::kDouble));
+  at::Tensor lse = at::empty({P.B, P.H, P.Nq}, opts.dtype(at::kFloat));
   P.out = view_of(out);
   P.m = m.data_ptr<float>();
   P.l = l.data_ptr<double>();
   P.lse = lse.data_ptr<float>();
+  fill_empty_rows(P, out);
   FwdState S;
   plan_forward(P, S);
   int64_t next = 0;
   int32_t error = 0;
-  run_parallel([&] { K.forward(P, S.plan, &next, &error); });
+  run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]),
+               [&] { K.forward(P, S.plan, &next, &error); });
   if (error) throw std::bad_alloc();
   return {out, m, l, lse};
 }
@@ -462,17 +520,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   P.l = l_c.data_ptr<double>();
   P.dlse = dlse_c.defined() ? dlse_c.data_ptr<float>() : nullptr;
   const auto opts = in.q.options();
-  at::Tensor dq = at::zeros({P.B, P.H, P.Nq, P.D}, opts);
-  at::Tensor dk = at::zeros({P.B, P.Hkv, P.Nk, P.D}, opts);
-  at::Tensor dv = at::zeros({P.B, P.Hkv, P.Nk, P.Dv}, opts);
+  // uninitialised: every row is written by an item or zeroed by zero_untouched
+  at::Tensor dq = at::empty({P.B, P.H, P.Nq, P.D}, opts);
+  at::Tensor dk = at::empty({P.B, P.Hkv, P.Nk, P.D}, opts);
+  at::Tensor dv = at::empty({P.B, P.Hkv, P.Nk, P.Dv}, opts);
   P.dq = dq.data_ptr();
   P.dk = dk.data_ptr();
   P.dv = dv.data_ptr();
+  zero_untouched(P, dq, dk, dv);
   BwdState S;
   plan_backward(P, S);
   int64_t next = 0;
   int32_t error = 0;
-  run_parallel([&] { K.backward(P, S.plan, &next, &error); });
+  run_parallel(5 * call_macs(P, P.lay.col_ptr[P.lay.nkb]) / 2,
+               [&] { K.backward(P, S.plan, &next, &error); });
   if (error) throw std::bad_alloc();
   return {dq, dk, dv};
 }
