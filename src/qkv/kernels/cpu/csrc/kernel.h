@@ -11,7 +11,7 @@
 //     S = Q Kᵀ · scale           tile_scores: summed in double for float32 inputs
 //     t = mods(S)                ALiBi / softcap in float, masked to −inf outside the bits
 //     m' = max(m, rowmax t);  P = exp(t − m');  l = l·α + rowsum P;  α = e^(m − m') in double
-//     acc = acc·α + P V          P V in float (≤ 64 terms per tile), acc in double
+//     acc = acc·α + P V          P V in float chains of 16 keys summed in double, acc in double
 //
 // and at the end out = acc / l, with (m, l) saved for the backward and lse = m + log l returned.
 //
@@ -19,7 +19,7 @@
 // K_j, V_j once and, for every kept query tile i and query head g of the group, recomputes
 //
 //     S, t                       the forward's own tile_scores and row_scores: the same bits
-//     P = float(exp(t − m) · (1/l))          (the division and product in double)
+//     P = float(exp(t − m) · (1/l))          (the division and the product in double)
 //     dP = dO Vᵀ in double (exact sums of float products), Δ = rowsum(dO ∘ O) − dlse summed
 //     the same way;  dS = P ∘ float(dP − Δ)
 //     dV_j += Pᵀ dO;  dK_j += dSᵀ Q;  dQ_i += dS K_j

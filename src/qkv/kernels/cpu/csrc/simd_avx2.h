@@ -33,7 +33,6 @@ static inline M16 m_bits(uint32_t bits) {
 static inline V16 v_select(M16 m, V16 x, V16 y) {
   return {_mm256_blendv_ps(y.a, x.a, m.a), _mm256_blendv_ps(y.b, x.b, m.b)};
 }
-static inline M16 m_and(M16 x, M16 y) { return {_mm256_and_ps(x.a, y.a), _mm256_and_ps(x.b, y.b)}; }
 static inline float hmax8(__m256 x) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -134,13 +133,6 @@ static inline V16 v_mul_f64(V16 x, double s) {
   return {mul8_f64(x.a, sd), mul8_f64(x.b, sd)};
 }
 
-static inline void acc_f64(double* acc, const float* x, double alpha, int64_t n) {
-  const __m256d a = _mm256_set1_pd(alpha);
-  for (int64_t i = 0; i < n; i += 4) {
-    __m256d xv = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
-    _mm256_storeu_pd(acc + i, _mm256_fmadd_pd(_mm256_loadu_pd(acc + i), a, xv));
-  }
-}
 static inline void add_f64(double* acc, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 4) {
     __m256d xv = _mm256_cvtps_pd(_mm_loadu_ps(x + i));

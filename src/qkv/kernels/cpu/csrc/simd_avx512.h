@@ -25,7 +25,6 @@ static inline V16 v_fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v,
 static inline V16 v_max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 static inline M16 m_bits(uint32_t bits) { return {(__mmask16)bits}; }
 static inline V16 v_select(M16 m, V16 a, V16 b) { return {_mm512_mask_blend_ps(m.k, b.v, a.v)}; }
-static inline M16 m_and(M16 a, M16 b) { return {(__mmask16)(a.k & b.k)}; }
 static inline float v_hmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
 static inline float v_hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 // lanes equal to themselves minus themselves are finite
@@ -114,17 +113,6 @@ static inline V16 v_mul_f64(V16 x, double s) {
   return {_mm512_insertf32x8(_mm512_castps256_ps512(rl), rh, 1)};
 }
 
-// acc[0..n) = acc · alpha + x (double), n a multiple of 16
-static inline void acc_f64(double* acc, const float* x, double alpha, int64_t n) {
-  const __m512d a = _mm512_set1_pd(alpha);
-  for (int64_t i = 0; i < n; i += 16) {
-    __m512 xv = _mm512_loadu_ps(x + i);
-    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(xv));
-    __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(xv, 1));
-    _mm512_storeu_pd(acc + i, _mm512_fmadd_pd(_mm512_loadu_pd(acc + i), a, lo));
-    _mm512_storeu_pd(acc + i + 8, _mm512_fmadd_pd(_mm512_loadu_pd(acc + i + 8), a, hi));
-  }
-}
 // acc[0..n) += x (double), n a multiple of 16
 static inline void add_f64(double* acc, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {

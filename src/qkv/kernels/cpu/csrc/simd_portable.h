@@ -34,7 +34,6 @@ static inline V16 v_select(M16 m, V16 a, V16 b) {
   QKV_LANES r.x[i] = ((m.k >> i) & 1u) ? a.x[i] : b.x[i];
   return r;
 }
-static inline M16 m_and(M16 a, M16 b) { return {a.k & b.k}; }
 static inline float v_hmax(V16 a) {
   float m = a.x[0];
   for (int i = 1; i < 16; ++i) m = max1(a.x[i], m);
@@ -88,9 +87,6 @@ static inline V16 v_mul_f64(V16 a, double s) {
   V16 r;
   QKV_LANES r.x[i] = (float)((double)a.x[i] * s);
   return r;
-}
-static inline void acc_f64(double* acc, const float* x, double alpha, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] * alpha + (double)x[i];
 }
 static inline void add_f64(double* acc, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += (double)x[i];
