@@ -24,12 +24,18 @@ def test_plain_request_goes_to_sdpa(qkv3):
         assert "torch SDPA is faster below" in d.reasons["cpu"]
 
 
-def test_causal_with_nq_ne_nk_goes_to_sdpa_with_explicit_mask(qkv3):
-    q, k, v = qkv3
-    assert qkv.dispatch(q, k, v, causal=True).name == "sdpa"
-    got = qkv.attention(q, k, v, causal=True)
-    ref = qkv.attention(q, k, v, causal=True, backend="reference")
-    torch.testing.assert_close(got, ref)
+def test_causal_with_nq_lt_nk_skips_sdpa_and_nq_gt_nk_takes_it(qkv3):
+    # Bottom-right causality with Nq < Nk would reach torch SDPA only as a dense Nq×Nk mask;
+    # with Nq > Nk it is a square causal problem on the last Nk rows (no mask).
+    q, k, v = qkv3  # Nq = 9 < Nk = 12
+    d = qkv.dispatch(q, k, v, causal=True, finite_inputs=True)
+    assert d.name == "tiled" and "bottom-right" in d.reasons["sdpa"]
+    for a, b in ((q, k), (k, q)):
+        d = qkv.dispatch(b, a, a, causal=True, finite_inputs=True)
+        assert d.name == ("sdpa" if b is k else "tiled")
+        got = qkv.attention(b, a, a, causal=True, backend="sdpa", finite_inputs=True)
+        ref = qkv.attention(b, a, a, causal=True, backend="reference")
+        torch.testing.assert_close(got, ref)
 
 
 @pytest.mark.parametrize(

@@ -210,3 +210,49 @@ def test_tiled_float_mask_with_grad_is_refused(qkv3):
 def test_tiled_block_sizes(arg, value):
     with pytest.raises(ValueError, match=rf"{arg} must be a positive int, got {value}"):
         TiledBackend(**{arg: value})
+
+
+@pytest.mark.parametrize("scale", [1e-46, 1e-39, 1e39])
+def test_scale_that_rounds_to_zero_or_inf_in_the_compute_dtype(qkv3, scale):
+    # 1e-46 passed validation, then ZeroDivisionError deep in the tiled kernel.
+    q, k, v = qkv3
+    with pytest.raises(ValueError, match=r"outside the normal range of torch.float32"):
+        qkv.attention(q, k, v, scale=scale)
+
+
+def test_scale_small_for_float32_is_fine_in_float64(qkv3):
+    q, k, v = (t.double() for t in qkv3)
+    out = qkv.attention(q, k, v, scale=1e-46, backend="tiled")
+    ref = qkv.attention(q, k, v, scale=1e-46, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("be", ["tiled", qkv.kernels.TiledBackend(8, 8, fused=False)], ids=str)
+def test_double_backward_says_which_backend_can(be):
+    q, k, v = (torch.randn(1, 2, 9, 4, requires_grad=True) for _ in range(3))
+    out = qkv.attention(q, k, v, causal=True, backend=be)
+    # A gradient penalty: the gradient is taken with create_graph=True (as torch.func.grad
+    # does), which works; differentiating it again raises, instead of giving zero (it once
+    # raised `matmul(): functions with out=... arguments don't support automatic
+    # differentiation`).
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    (plain,) = torch.autograd.grad(out.sum(), q, retain_graph=True)
+    torch.testing.assert_close(g, plain, rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="backend='reference'"):
+        torch.autograd.grad(g.square().sum(), q)
+
+
+def test_double_backward_through_the_reference_works():
+    q, k, v = (torch.randn(1, 1, 5, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradgradcheck(
+        lambda q, k, v: qkv.attention(q, k, v, causal=True, backend="reference"), (q, k, v)
+    )
+
+
+def test_reference_says_up_front_it_will_not_fit():
+    # N = 65536 died in torch's allocator asking for 17 GB; meta tensors cost nothing here.
+    n = 2**20
+    q = torch.empty(1, 1, n, 8)
+    k = v = torch.empty(1, 1, n, 8)
+    with pytest.raises(MemoryError, match=r"about \d+\.\d GiB.*backend='tiled'"):
+        qkv.attention(q, k, v, backend="reference")

@@ -52,11 +52,19 @@ def test_blocks_agree_with_dense_tile_by_tile(name, nq, nk, bq, bk):
     if name.startswith("doc-causal") and nk != 63:
         pytest.skip("document lengths sum to 63")
     dense = m.dense4(nq, nk)  # (Bm, Hm, Nq, Nk)
-    layout = m.blocks(nq, nk, bq, bk)
     any_, all_ = _tile_any_all(dense, bq, bk)
-    kind = layout.kind.expand(any_.shape)
+    kind = m.tile_kinds(nq, nk, bq, bk).expand(any_.shape)  # per batch element and head
     assert not (any_ & (kind == EMPTY)).any(), "a tile marked empty holds an allowed pair"
     assert not (~all_ & (kind == FULL)).any(), "a tile marked full holds a masked pair"
+    # The layout the kernels read (kept tiles only, found through the rule's key ranges):
+    # empty only where empty for every (b, h), full only where full for every one, and
+    # exactly the union of the per-(b, h) kinds, so the key ranges lost no tile.
+    union = m.blocks(nq, nk, bq, bk).kind
+    assert not (any_.flatten(0, 1).any(0) & (union == EMPTY)).any()
+    assert not (~all_.flatten(0, 1).all(0) & (union == FULL)).any()
+    k = kind.flatten(0, 1)
+    want = torch.where((k == EMPTY).all(0), EMPTY, torch.where((k == FULL).all(0), FULL, 1))
+    assert torch.equal(union, want.to(torch.int8))
 
 
 @pytest.mark.parametrize(
@@ -78,7 +86,7 @@ def test_structured_bounds_are_exact(name):
     m = PATTERNS[name]
     dense = m.dense4(63, 63)
     any_, all_ = _tile_any_all(dense, 8, 8)
-    kind = m.blocks(63, 63, 8, 8).kind.expand(any_.shape)
+    kind = m.tile_kinds(63, 63, 8, 8).expand(any_.shape)
     assert torch.equal(kind == EMPTY, ~any_)
     assert torch.equal(kind == FULL, all_)
 

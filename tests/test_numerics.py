@@ -1,5 +1,5 @@
-"""The semantics table's edge cases (DESIGN.md §2): empty rows, garbage in masked slots,
-huge scores, zero-length sequences, low precision."""
+"""The semantics table's edge cases (docs/design.md, section 6): empty rows, garbage in masked
+slots, huge scores, zero-length sequences, low precision."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import qkv
+from qkv import masks
+from qkv.kernels.fused import FusedStrips
 
 from .helpers import assert_error_ratio, golden, make_qkv
 
@@ -30,7 +32,7 @@ def _fully_masked_cases():
 def test_fully_masked_rows_are_zero_with_zero_grads(backend, case):
     q, k, v, kw, rows = _fully_masked_cases()[case]
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = qkv.attention(q, k, v, backend=backend, **kw)
+    out = qkv.attention(q, k, v, backend=backend, finite_inputs=True, **kw)
     assert torch.isfinite(out).all()
     assert (out[:, :, rows] == 0).all()
     out.backward(torch.randn_like(out))
@@ -62,11 +64,12 @@ def test_garbage_in_padded_keys_and_values_does_not_leak(backend, garbage):
     k_bad, v_bad = k.clone(), v.clone()
     k_bad[:, :, -5:] = garbage
     v_bad[:, :, -5:] = garbage
-    if backend == "sdpa" and garbage != 1e30:
+    finite = garbage == 1e30  # a huge value is finite: promise it, and sdpa may run
+    if backend == "sdpa" and not finite:
         with pytest.raises(NotImplementedError, match="NaN/inf"):
             qkv.attention(q, k_bad, v_bad, mask=mask, backend=backend)
         return
-    out = qkv.attention(q, k_bad, v_bad, mask=mask, backend=backend)
+    out = qkv.attention(q, k_bad, v_bad, mask=mask, backend=backend, finite_inputs=finite)
     ref = qkv.attention(q, k, v, mask=mask, backend="reference")
     assert_error_ratio(out, ref, golden(q, k, v, mask=mask))
 
@@ -90,7 +93,7 @@ def test_scores_near_1e4_do_not_overflow(backend, dtype):
     q, k, v = make_qkv(B=1, H=2, Nq=40, D=16, dtype=dtype)
     q = q * 100  # scaled scores |S·scale| reach ~1e4
     k = k * 25
-    out = qkv.attention(q, k, v, causal=True, backend=backend)
+    out = qkv.attention(q, k, v, causal=True, backend=backend, finite_inputs=True)
     ref = qkv.attention(q, k, v, causal=True, backend="reference")
     gold = golden(q, k, v, causal=True)
     s = (q.double() @ k.double().transpose(-1, -2)).abs().max().item() / 4
@@ -101,7 +104,7 @@ def test_scores_near_1e4_do_not_overflow(backend, dtype):
 @pytest.mark.parametrize("nq,nk", [(0, 7), (7, 0), (0, 0)])
 def test_zero_length_sequences(backend, nq, nk):
     q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=nq, Nk=nk, D=8, Dv=6, requires_grad=True)
-    out = qkv.attention(q, k, v, causal=True, backend=backend)
+    out = qkv.attention(q, k, v, causal=True, backend=backend, finite_inputs=True)
     assert out.shape == (2, 4, nq, 6)
     assert (out == 0).all()
     out.sum().backward()
@@ -125,3 +128,84 @@ def test_low_precision_returns_input_dtype_and_fp32_lse(be, dtype):
     _, lse_gold = qkv.attention(*(t.double() for t in (q, k, v)), return_lse=True)
     # lse is accumulated in fp32: it must be far closer to the golden than dtype rounding.
     assert (lse.double() - lse_gold).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("nk", [1, 2, 8, 15, 16, 40])
+def test_nan_in_a_query_row_reaches_that_row_on_every_backend(backend, nk):
+    # torch's CPU SDPA kernel returned zeros for this row when Nk < 16 (auto picked it).
+    q, k, v = make_qkv(B=1, H=1, Nq=8, Nk=nk, D=8)
+    q[0, 0, 0, 0] = float("nan")
+    out = qkv.attention(q, k, v, backend=backend)
+    assert torch.isnan(out[0, 0, 0]).all()
+    assert torch.isfinite(out[0, 0, 1:]).all()
+
+
+@pytest.mark.parametrize("width", [4, 8, 16])
+def test_nan_in_a_query_row_reaches_it_through_narrow_fused_strips(width):
+    # Documents of `width` tokens on tiles of that size: FULL strips that see < 16 keys, which
+    # torch's fused op (the tiled backend's fast forward) answered with zeros.
+    fused = qkv.kernels.TiledBackend(width, width, fused=FusedStrips(rows=16))
+    q, k, v = make_qkv(B=1, H=2, Nq=48, D=8)
+    q[0, 0, 9, 0] = float("nan")
+    m = masks.document([width] * (48 // width))
+    with torch.no_grad():  # k, v finite (the NaN is in q): the fused path runs
+        out = qkv.attention(q, k, v, mask=m, backend=fused, finite_inputs=True)
+    assert torch.isnan(out[0, 0, 9]).all()
+    assert int(torch.isnan(out).sum()) == 8  # only that row
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+def test_garbage_key_hidden_by_a_float_minus_inf_does_not_leak(backend, garbage):
+    # NaN + (−inf) is NaN: a float mask's −inf must exclude the pair whatever its score.
+    q, k, v = make_qkv(B=2, H=2, Nq=13, Nk=21, D=8)
+    bias = torch.randn(1, 2, 13, 21, generator=torch.Generator().manual_seed(4))
+    bias[..., 6] = -torch.inf  # key 6 hidden from every row
+    k_bad = k.clone()
+    k_bad[:, :, 6] = garbage
+    if backend == "sdpa":
+        with pytest.raises(NotImplementedError, match="NaN/inf"):
+            qkv.attention(q, k_bad, v, mask=bias, backend=backend)
+        return
+    out = qkv.attention(q, k_bad, v, mask=bias, backend=backend)
+    ref = qkv.attention(q, k, v, mask=bias, backend="reference")
+    assert_error_ratio(out, ref, golden(q, k, v, mask=bias))
+
+
+@pytest.mark.parametrize("be", ["tiled", qkv.kernels.TiledBackend(4, 8)], ids=str)
+def test_garbage_key_hidden_by_a_float_mask_keeps_gradients_finite(be):
+    q, k, v = make_qkv(B=1, H=2, Nq=13, Nk=21, D=8, requires_grad=True)
+    bias = torch.zeros(13, 21)
+    bias[:, 6] = -torch.inf
+    k_bad = k.detach().clone()
+    k_bad[:, :, 6] = float("nan")
+    k_bad.requires_grad_()
+    out = qkv.attention(q, k_bad, v, mask=bias, backend=be)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k_bad, v))
+    assert torch.isfinite(dq).all() and torch.isfinite(dv).all()
+    assert torch.isfinite(dk[:, :, [i for i in range(21) if i != 6]]).all()
+
+
+@pytest.mark.parametrize("nq,nk", [(8191, 8192), (40, 4096), (9, 5)])
+def test_causal_with_nq_not_nk_never_builds_an_nq_by_nk_mask(monkeypatch, nq, nk):
+    # auto handed torch SDPA a dense Nq×Nk bool mask for bottom-right causality (+337 MB at
+    # Nq = 8191, Nk = 8192). Record every mask that reaches torch's SDPA.
+    import torch.nn.functional as F
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    q, k, v = (torch.randn(1, 1, n, 4) for n in (nq, nk, nk))
+    decision = qkv.dispatch(q, k, v, causal=True, finite_inputs=True)
+    with torch.no_grad():
+        out = qkv.attention(q, k, v, causal=True, finite_inputs=True)
+    assert all(m is None for m in seen), [tuple(m.shape) for m in seen if m is not None]
+    if nq < nk:
+        assert decision.name != "sdpa" and "bottom-right" in decision.reasons["sdpa"]
+    if nq <= 64:  # small enough to check against the formula
+        ref = qkv.attention(q, k, v, causal=True, backend="reference")
+        assert_error_ratio(out, ref, golden(q, k, v, causal=True))

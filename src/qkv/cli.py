@@ -3,23 +3,36 @@
 - `qkv explain`: the textbook walk-through on real numbers;
 - `qkv attend TEXT --token WORD`: where a word looks in the real all-MiniLM-L6-v2;
 - `qkv bench`: the cost curve, time and memory against N;
-- `qkv demo`: all three, written to a folder with a report;
+- `qkv lab NAME`: one of the chapter's claims measured (`rnn`, `scale`, `routing`);
+- `qkv demo`: all of them, written to a folder with a report;
+- `qkv tokens --image WxH`: how many tokens an image costs (`qkv.vision.report`);
 - `qkv build`: compile the CPU attention kernel now (otherwise it is compiled at first use).
 
-Bad input ends with a one-line message on stderr and a non-zero exit code, never a traceback:
-2 for a bad argument or a request the input cannot answer, 1 for a missing optional package.
+Each subcommand is one entry of `COMMANDS`: a help line, a function that adds its arguments and
+a function that runs it. Bad input ends with a one-line message on stderr and a non-zero exit
+code, never a traceback: 2 for a bad argument, an output that cannot be written (checked before
+the work) or a request the input cannot answer; 1 for a missing optional package or a write that
+failed anyway; 130 after Ctrl-C, once what was already measured has been written.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
-from .inspect import render, walkthrough
+from .inspect.outputs import STDOUT, OutputError, check_file, check_folder, say_to, write_json
+from .labs import command as lab_command
 
-USAGE_ERROR, MISSING_PACKAGE = 2, 1
+USAGE_ERROR, FAILED, INTERRUPTED = 2, 1, 130
+MISSING_PACKAGE = FAILED
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+
+
+class _Refused(Exception):
+    """An input the command cannot answer; its message is shown without a traceback."""
 
 
 def _positive(text: str) -> int:
@@ -32,6 +45,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"the seed must be in 0..2**64-1, got {value}")
+    return value
+
+
 def _sizes(text: str) -> tuple[int, ...]:
     try:
         return tuple(_positive(x) for x in text.split(","))
@@ -41,94 +64,108 @@ def _sizes(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="qkv", description="Self-attention, from the formula up.")
-    sub = ap.add_subparsers(dest="command", required=True)
+# --------------------------------------------------------------------------- explain
 
-    ex = sub.add_parser("explain", help="the textbook walk-through on real numbers")
-    ex.add_argument("--n", type=_positive, default=4, help="tokens N (default 4)")
-    ex.add_argument("--d", type=_positive, default=8, help="model width d (default 8)")
-    ex.add_argument("--dk", type=_positive, default=4, help="head width d_k (default 4)")
-    ex.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    ex.add_argument("--causal", action="store_true", help="hide future tokens")
-    ex.add_argument("--lang", choices=("en", "zh"), default="en", help="en or zh (Chinese)")
 
-    at = sub.add_parser("attend", help="where a word looks in the real all-MiniLM-L6-v2")
-    at.add_argument("text", nargs="?", default=None, help="the text (default: the cat example)")
-    at.add_argument("--token", help='the word to ask about (default "it", else the first word)')
-    at.add_argument("--layer", type=int, help="show this layer's heads in full")
-    at.add_argument("--head", type=int, help="with --layer: show only this head")
-    at.add_argument(
+def _explain_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n", type=_positive, default=4, help="tokens N (default 4)")
+    p.add_argument("--d", type=_positive, default=8, help="model width d (default 8)")
+    p.add_argument("--dk", type=_positive, default=4, help="head width d_k (default 4)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed, 0..2**64-1 (default 0)")
+    p.add_argument("--causal", action="store_true", help="hide future tokens")
+    p.add_argument("--lang", choices=("en", "zh"), default="en", help="en or zh (Chinese)")
+
+
+def _explain(args: argparse.Namespace) -> None:
+    from .inspect.explain import ExplainError, render, walkthrough
+
+    try:
+        w = walkthrough(n=args.n, d=args.d, d_k=args.dk, seed=args.seed, causal=args.causal)
+    except ExplainError as e:
+        raise _Refused(str(e)) from None
+    print(render(w, args.lang))
+
+
+# --------------------------------------------------------------------------- attend
+
+
+def _attend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("text", nargs="?", default=None, help="the text (default: the cat example)")
+    p.add_argument("--token", help='the word to ask about (default "it", else the first word)')
+    p.add_argument("--layer", type=int, help="show this layer's heads in full")
+    p.add_argument("--head", type=int, help="with --layer: show only this head")
+    p.add_argument(
         "--json", metavar="FILE", help="write every layer's and head's weights ('-': stdout)"
     )
-    at.add_argument("--out", default="qkv-attend", help="folder for the PNGs and the viewer")
-    at.add_argument("--no-files", action="store_true", help="print only; write no PNG or HTML")
-
-    be = sub.add_parser("bench", help="time and memory of attention against N")
-    be.add_argument("--quick", action="store_true", help="small sizes, under a minute")
-    be.add_argument("--sizes", type=_sizes, help="sequence lengths, e.g. 1024,2048,4096")
-    be.add_argument("--window", type=_positive, help="the sliding window's reach each side")
-    be.add_argument("--methods", default=",".join(_bench().METHODS), help="which methods")
-    be.add_argument("--passes", choices=("forward", "backward", "both"), default="both")
-    be.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
-    be.add_argument("--png", metavar="FILE", help="write the log-log plot")
-    be.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    de = sub.add_parser("demo", help="explain, attend and bench, written to a folder")
-    de.add_argument("--out", default="qkv-demo", help="the folder (default qkv-demo)")
-    de.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    bu = sub.add_parser("build", help="compile the CPU attention kernel now (else at first use)")
-    bu.add_argument("--force", action="store_true", help="rebuild, also after a failed build")
-    bu.add_argument("--verbose", action="store_true", help="show the compiler's commands")
-    return ap
+    p.add_argument("--out", default="qkv-attend", help="folder for the PNGs and the viewer")
+    p.add_argument("--no-files", action="store_true", help="print only; write no PNG or HTML")
 
 
-def _bench():
-    from .inspect import bench
-
-    return bench
-
-
-class _Refused(Exception):
-    """An input the command cannot answer; its message is shown without a traceback."""
-
-
-def _attend(args) -> None:
+def _attend(args: argparse.Namespace) -> None:
     from .inspect.attend import EXAMPLE, AttendError, default_word, model_attention, summary
 
     text = EXAMPLE if args.text is None else args.text
     if args.head is not None and args.layer is None:
         raise _Refused("--head needs --layer")
+    if args.json:
+        check_file(args.json, "--json", allow_stdout=True)
+    out = None if args.no_files else check_folder(args.out, "--out")
+    say = say_to(args.json)
     try:
         amap = model_attention(text)
         word = args.token or default_word(amap)
-        print(summary(amap, word, args.layer, args.head))
+        say(summary(amap, word, args.layer, args.head))
     except AttendError as e:
         raise _Refused(str(e)) from None
-    if args.json == "-":
-        print(json.dumps(amap.to_dict()))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(amap.to_dict()), encoding="utf-8")
-        print(f"weights: {args.json}")
-    if not args.no_files:
-        from .inspect.figures import attention_grid, token_heads
+    if args.json:
+        write_json(amap.to_dict(), args.json)
+        if args.json != STDOUT:
+            say(f"weights: {args.json}")
+    if out is not None:
+        from .inspect.figures import attention_grid, rollout_figure, token_heads
         from .inspect.viewer import write_viewer
 
-        out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() else "_" for c in word.lower())
-        attention_grid(amap, out / "attention-grid.png")
-        token_heads(amap, word, out / f"attention-{safe}.png")
+        pictures = [out / "attention-grid.png", out / f"attention-{safe}.png"]
+        pictures.append(out / f"attention-{safe}-rollout.png")
+        attention_grid(amap, pictures[0])
+        token_heads(amap, word, pictures[1])
+        rollout_figure(amap, word, pictures[2])
         write_viewer(amap, out / "viewer.html")
-        print(f"pictures: {out / 'attention-grid.png'}, {out / f'attention-{safe}.png'}")
-        print(f"viewer:   {out / 'viewer.html'} (open it in a browser)")
+        say(f"pictures: {', '.join(str(p) for p in pictures)}")
+        say(f"viewer:   {out / 'viewer.html'} (open it in a browser)")
 
 
-def _run_bench(args) -> None:
+# --------------------------------------------------------------------------- bench
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from .inspect import bench
+
+    p.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    p.add_argument("--sizes", type=_sizes, help="sequence lengths, e.g. 1024,2048,4096")
+    p.add_argument("--window", type=_positive, help="the sliding window's reach each side")
+    p.add_argument("--methods", default=",".join(bench.METHODS), help="which methods")
+    p.add_argument("--passes", choices=("forward", "backward", "both"), default="both")
+    p.add_argument("--json", metavar="FILE", help="write the measurements as JSON ('-': stdout)")
+    p.add_argument("--png", metavar="FILE", help="write the log-log plot")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def check_png(path: str | None) -> None:
+    """Refuse a figure path before the work: a bad folder or an extension matplotlib lacks."""
+    if path:
+        from .inspect.outputs import image_formats
+
+        check_file(path, "--png", formats=image_formats())
+
+
+def _bench(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
-    bench = _bench()
+    from .inspect import bench
+
     sizes = bench.QUICK if args.quick else bench.FULL
     if args.sizes:
         sizes = replace(sizes, ns=args.sizes)
@@ -141,19 +178,59 @@ def _run_bench(args) -> None:
     passes = {"forward": ["forward"], "backward": ["forward+backward"]}.get(
         args.passes, bench.PASSES
     )
-    records = bench.measure(sizes, methods, passes, progress=not args.no_progress)
-    print(bench.table(records))
     if args.json:
-        Path(args.json).write_text(json.dumps(bench.report(records, sizes), indent=1))
-        print(f"measurements: {args.json}")
+        check_file(args.json, "--json", allow_stdout=True)
+    check_png(args.png)
+    say = say_to(args.json)
+    records: list[dict] = []
+    interrupted = False
+    try:
+        for rec in bench.iter_measure(sizes, methods, passes, progress=not args.no_progress):
+            records.append(rec)
+    except KeyboardInterrupt:
+        if not records:
+            raise
+        interrupted = True
+        say(f"(interrupted: {len(records)} runs measured before Ctrl-C; they are kept)")
+    say(bench.table(records))
+    if args.json:
+        write_json(bench.report(records, sizes, complete=not interrupted), args.json, indent=1)
+        if args.json != STDOUT:
+            say(f"measurements: {args.json}")
     if args.png:
         from .inspect.figures import cost_plot
 
         cost_plot(records, args.png)
-        print(f"plot: {args.png}")
+        say(f"plot: {args.png}")
+    if interrupted:
+        raise KeyboardInterrupt
 
 
-def _build(args) -> int:
+# --------------------------------------------------------------------------- demo
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="qkv-demo", help="the folder (default qkv-demo)")
+    p.add_argument("--full", action="store_true", help="the labs' full runs (several minutes)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from .inspect import demo
+
+    out = check_folder(args.out, "--out")
+    demo.run(out, progress=not args.no_progress, labs="full" if args.full else "quick")
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _build_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true", help="rebuild, also after a failed build")
+    p.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+
+
+def _build(args: argparse.Namespace) -> None:
     from .kernels.cpu import build, isa
 
     try:
@@ -162,40 +239,85 @@ def _build(args) -> int:
         cause = e.__cause__
         if cause is not None and args.verbose:
             print(str(cause).strip()[-4000:], file=sys.stderr)
-        print(f"qkv build: error: the CPU kernel could not be built: {e}", file=sys.stderr)
-        return MISSING_PACKAGE
+        raise ImportError(f"the CPU kernel could not be built: {e}") from None
     have = ", ".join(f"{name} {'yes' if ops.isa_supported(name) else 'no'}" for name in isa.ISAS)
     chosen, why = isa.choose(ops)
     print(f"CPU attention kernel: {build.build_dir() / (build.NAME + '.so')}")
     print(f"instruction sets on this CPU: {have}")
     print(f"runs: {chosen} ({isa.ENV} forces one)" if why is None else f"cannot run: {why}")
-    return 0
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _tokens_args(p: argparse.ArgumentParser) -> None:
+    from .vision import report
+
+    report.add_arguments(p)
+
+
+def _tokens(args: argparse.Namespace) -> None:
+    from .vision import report
+
+    try:
+        report.run(args)
+    except ValueError as e:
+        raise _Refused(str(e)) from None
+
+
+class Command(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], None]
+
+
+COMMANDS: dict[str, Command] = {
+    "explain": Command("the textbook walk-through on real numbers", _explain_args, _explain),
+    "attend": Command("where a word looks in the real all-MiniLM-L6-v2", _attend_args, _attend),
+    "bench": Command("time and memory of attention against N", _bench_args, _bench),
+    "lab": Command(
+        "the chapter's claims, measured: rnn, scale, routing",
+        lab_command.add_arguments,
+        lab_command.run,
+    ),
+    "demo": Command("explain, attend, bench and the labs, in a folder", _demo_args, _demo),
+    "tokens": Command(
+        "how many tokens an image costs (Qwen2-VL, LLaVA-NeXT)", _tokens_args, _tokens
+    ),
+    "build": Command("compile the CPU attention kernel now (else at first use)", _build_args, _build),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="qkv", description="Self-attention, from the formula up.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, cmd in COMMANDS.items():
+        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (argparse exits with 2 on bad arguments)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "explain":
-            w = walkthrough(n=args.n, d=args.d, d_k=args.dk, seed=args.seed, causal=args.causal)
-            print(render(w, args.lang))
-        elif args.command == "attend":
-            _attend(args)
-        elif args.command == "bench":
-            _run_bench(args)
-        elif args.command == "demo":
-            from .inspect import demo
+    args = _parser().parse_args(argv)
 
-            demo.run(args.out, progress=not args.no_progress)
-        elif args.command == "build":
-            return _build(args)
-    except _Refused as e:
-        print(f"qkv {args.command}: error: {e}", file=sys.stderr)
+    def error(message: str) -> None:
+        print(f"qkv {args.command}: error: {message}", file=sys.stderr)
+
+    try:
+        COMMANDS[args.command].run(args)
+    except (_Refused, OutputError) as e:
+        error(str(e))
         return USAGE_ERROR
     except ImportError as e:
-        print(f"qkv {args.command}: error: {e}", file=sys.stderr)
+        error(str(e))
         return MISSING_PACKAGE
+    except OSError as e:  # a write that the up-front checks could not foresee (disk full, ...)
+        where = f" {Path(e.filename)}" if e.filename else ""
+        error(f"could not write{where}: {e.strerror or e}")
+        return FAILED
+    except KeyboardInterrupt:
+        print(f"\nqkv {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

@@ -23,6 +23,7 @@ def attention(
     return_lse: bool = False,
     return_weights: bool = False,
     score_mod: ScoreMod | None = None,
+    finite_inputs: bool = False,
 ):
     """Exact scaled dot-product attention: `softmax(Q Kᵀ · scale + bias, masked) V`.
 
@@ -57,6 +58,13 @@ def attention(
         return_weights: also return A `(B, H, Nq, Nk)` (before dropout); reference only.
         score_mod: a `qkv.scores.ScoreMod` applied to the scaled scores inside every tile
             (ALiBi, soft-capping, a learnable relative bias), before masking.
+        finite_inputs: the caller's promise that k and v hold no NaN or inf. qkv never reads
+            values to decide (no host sync, nothing that stops `torch.compile`), so without
+            the promise `auto` keeps masked requests (causal included) on kernels that keep
+            garbage in masked slots out of the result themselves (tiled, the compiled CPU
+            kernel), and passes over torch's SDPA and the Triton kernel, whose `0 · NaN` would
+            let it through. `qkv.nn` and the transformers integration make the promise for the
+            projections they compute.
 
     Returns:
         `out (B, H, Nq, Dv)` in the input dtype, or a tuple `(out, lse)`, `(out, weights)` or
@@ -77,6 +85,7 @@ def attention(
         return_lse=return_lse,
         return_weights=return_weights,
         score_mod=score_mod,
+        finite_inputs=finite_inputs,
     )
     q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
     decision = choose(plan, q4, k4, v4, backend)
@@ -103,6 +112,7 @@ def dispatch(
     return_lse: bool = False,
     return_weights: bool = False,
     score_mod: ScoreMod | None = None,
+    finite_inputs: bool = False,
 ) -> Decision:
     """Which backend `attention(q, k, v, **same_kwargs)` would run, and why not the others.
 
@@ -121,5 +131,6 @@ def dispatch(
         return_weights=return_weights,
         score_mod=score_mod,
         dropout_seed=0,
+        finite_inputs=finite_inputs,
     )
     return choose(plan, to_4d(q), to_4d(k), to_4d(v), backend)

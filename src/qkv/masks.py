@@ -11,76 +11,34 @@ index; when Nq < Nk the queries are the last Nq positions of the key sequence (b
 alignment, what KV-cache decoding needs): query row i has position `i + Nk − Nq`. So
 `masks.causal()` is exactly `causal=True`.
 
-Each rule may also know how to bound a whole tile of positions without looking at its
-elements (`maybe_any`: could any pair in the tile be allowed? `surely_all`: is every pair
-allowed?). `Mask.blocks()` uses these bounds to classify tiles as empty, partial or full without
-building the N×N matrix, which is what lets the tiled kernel skip work. The bounds are safe
-under composition: an uncertain tile is marked partial and its rule is applied element-wise.
+Each rule may also know, without looking at pairs, which keys a run of queries may reach
+(`key_ranges`: intervals of key positions) and how to bound a whole tile (`tile_bounds`:
+could any pair be allowed? is every pair?). `qkv.layout` uses both to find the kept tiles
+without building the N×N matrix, which is what lets the kernels skip work. Both stay safe
+under composition: an uncertain tile is partial and its rule is applied element-wise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
+
+from . import layout
+from .cache import CACHE
+from .layout import EMPTY as EMPTY  # tile kinds, re-exported for callers of Mask.blocks
+from .layout import FULL as FULL
+from .layout import PARTIAL as PARTIAL
+from .layout import BlockLayout
 
 # rule(b, h, q, kv, n_k) -> bool tensor; b, h, q, kv broadcastable int64 tensors, n_k = Nk.
 Rule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 # bounds(b, h, q_lo, q_hi, k_lo, k_hi, n_k) -> (maybe_any, surely_all); inclusive position ranges.
 Bounds = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """Which tiles of the (Nq × Nk) score matrix hold allowed pairs.
-
-    `kind[b, h, i, j]` is EMPTY (0: nothing allowed, never computed), PARTIAL (1: apply the rule
-    element-wise) or FULL (2: everything allowed, no mask arithmetic) for query tile i (rows
-    `i·block_q …`) and key tile j. Batch and head dims are 1 when the mask does not depend on them.
-    """
-
-    kind: torch.Tensor  # int8 (Bm, Hm, ceil(Nq/block_q), ceil(Nk/block_k))
-    block_q: int  # query rows per tile
-    block_k: int  # keys per tile
-    q_len: int  # Nq
-    kv_len: int  # Nk
-
-    @property
-    def kept_fraction(self) -> float:
-        """Fraction of tiles that must be computed (partial or full)."""
-        return (self.kind != EMPTY).double().mean().item() if self.kind.numel() else 0.0
-
-    def show(self) -> str:
-        """A text picture of tile kinds (first batch/head): '#' full, '+' partial, '.' empty."""
-        chars = {EMPTY: ".", PARTIAL: "+", FULL: "#"}
-        rows = ["".join(chars[int(x)] for x in row) for row in self.kind[0, 0]]
-        return "\n".join(rows)
-
-
-def tile_grid(
-    nq: int, nk: int, block_q: int, block_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inclusive position ranges of every tile: q_lo, q_hi `(1, 1, nqb, 1)` (in key coordinates,
-    bottom-right aligned) and k_lo, k_hi `(1, 1, 1, nkb)`."""
-    nqb, nkb = -(-nq // block_q), -(-nk // block_k)
-    rows0 = torch.arange(nqb).view(1, 1, nqb, 1) * block_q
-    cols0 = torch.arange(nkb).view(1, 1, 1, nkb) * block_k
-    off = nk - nq
-    q_lo, q_hi = rows0 + off, torch.clamp(rows0 + block_q, max=nq) - 1 + off
-    k_lo, k_hi = cols0, torch.clamp(cols0 + block_k, max=nk) - 1
-    return q_lo, q_hi, k_lo, k_hi
-
-
-def classify(maybe_any: torch.Tensor, surely_all: torch.Tensor) -> torch.Tensor:
-    """Tile kinds (int8) from bounds: EMPTY where nothing may be allowed, FULL where everything
-    surely is, PARTIAL otherwise."""
-    kind = torch.full(maybe_any.shape, PARTIAL, dtype=torch.int8)
-    kind[surely_all & maybe_any] = FULL
-    kind[~maybe_any] = EMPTY
-    return kind
+# key_ranges(q_lo, q_hi, n_k) -> (lo, hi), each (R, n) int64: R intervals [lo, hi] of key
+# positions per query tile (tile i holds positions q_lo[i] … q_hi[i]); None: any key.
+Ranges = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class Mask:
@@ -98,6 +56,7 @@ class Mask:
         batch: int | None = None,
         heads: int | None = None,
         check: Callable[[int, int], None] | None = None,
+        ranges: Ranges | None = None,
     ):
         if (fn is None) == (rule is None):
             raise TypeError("Mask needs exactly one of fn(b, h, q, kv) or rule")
@@ -105,6 +64,7 @@ class Mask:
             raise TypeError(f"fn must be callable as fn(b, h, q, kv), got {type(fn).__name__}")
         self._rule: Rule = rule if rule is not None else (lambda b, h, q, kv, n: fn(b, h, q, kv))
         self._bounds = bounds
+        self._ranges = ranges
         self.name = name
         self.batch = batch  # the batch size the rule is written for, or None if independent
         self.heads = heads  # the head count the rule is written for, or None if independent
@@ -147,6 +107,75 @@ class Mask:
             raise ValueError(f"mask {self!r} is written for {self.heads} heads, got H={heads}")
         if self._check is not None:
             self._check(nq, nk)
+
+    @property
+    def has_bounds(self) -> bool:
+        """Whether `tile_bounds` can classify tiles without evaluating pairs."""
+        return self._bounds is not None
+
+    def tile_bounds(
+        self,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q_lo: torch.Tensor,
+        q_hi: torch.Tensor,
+        k_lo: torch.Tensor,
+        k_hi: torch.Tensor,
+        nk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(maybe_any, surely_all)` for tiles of positions [q_lo, q_hi] × [k_lo, k_hi]
+        (inclusive, key coordinates; broadcastable int64 tensors with b and h): could any pair
+        be allowed, and surely is every pair? Raises if the rule has no bounds."""
+        if self._bounds is None:
+            raise ValueError(f"mask {self!r} has no tile bounds; evaluate its pairs instead")
+        return self._bounds(b, h, q_lo, q_hi, k_lo, k_hi, nk)
+
+    def key_ranges(
+        self, q_lo: torch.Tensor, q_hi: torch.Tensor, nk: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Intervals of key positions `(lo, hi)`, each `(R, n)`, that queries at positions
+        q_lo[i] … q_hi[i] may reach (for some batch element and head); None: any key."""
+        return None if self._ranges is None else self._ranges(q_lo, q_hi, nk)
+
+    def shifted(
+        self,
+        q_start: int,
+        k_start: int,
+        n_total: int,
+        head_start: int = 0,
+        heads: int | None = None,
+    ) -> Mask:
+        """This mask (written for the whole problem: `n_total` keys, all its heads) seen from
+        a square block whose queries start at position `q_start` and keys at `k_start`,
+        holding heads `head_start …` (`heads` of them): what a sequence-parallel rank runs."""
+        rule, bounds, ranges = self._rule, self._bounds, self._ranges
+
+        def shifted_rule(b, h, q, kv, n):
+            return rule(b, h + head_start, q + q_start, kv + k_start, n_total)
+
+        shifted_bounds = shifted_ranges = None
+        if bounds is not None:
+
+            def shifted_bounds(b, h, ql, qh, kl, kh, n):
+                hh = h + head_start
+                return bounds(
+                    b, hh, ql + q_start, qh + q_start, kl + k_start, kh + k_start, n_total
+                )
+
+        if ranges is not None:
+
+            def shifted_ranges(ql, qh, n):
+                got = ranges(ql + q_start, qh + q_start, n_total)
+                return None if got is None else (got[0] - k_start, got[1] - k_start)
+
+        return Mask(
+            rule=shifted_rule,
+            bounds=shifted_bounds,
+            ranges=shifted_ranges,
+            name=f"{self!r} @ (q+{q_start}, k+{k_start}, h+{head_start})",
+            batch=self.batch,
+            heads=heads if self.heads is not None else None,
+        )
 
     def evaluate(
         self,
@@ -216,40 +245,18 @@ class Mask:
         return total / ((self.batch or 1) * (self.heads or 1) * nq * nk)
 
     def blocks(self, nq: int, nk: int, block_q: int = 128, block_k: int = 128) -> BlockLayout:
-        """Classify every (block_q × block_k) tile as empty, partial or full.
-
-        Uses the rule's tile bounds when it has them (causal, windows, documents, global tokens,
-        padding, prefix-LM, BigBird, fixed: O(tiles) work, no N×N matrix); otherwise evaluates
-        the rule a band of rows at a time (O(Nq·Nk) work, O(block_q·Nk) memory)."""
+        """The kept tiles of an (Nq × Nk) problem under this mask (`qkv.layout.BlockLayout`:
+        `.show()`, `.kind`, `.kept_fraction`), worked out from the rule's key ranges and tile
+        bounds (no N×N matrix) or, for a rule without them, its pairs tile by tile."""
         self.check(nq, nk)
-        bi = self._index(None, self.batch, None)
-        hi = self._index(None, self.heads, None).view(1, -1, 1, 1)
-        if self._bounds is not None:
-            q_lo, q_hi, k_lo, k_hi = tile_grid(nq, nk, block_q, block_k)
-            maybe_any, surely_all = self._bounds(bi, hi, q_lo, q_hi, k_lo, k_hi, nk)
-        else:
-            maybe_any, surely_all = self._scan(bi, hi, nq, nk, block_q, block_k)
-        shape = (bi.shape[0], hi.shape[1], -(-nq // block_q), -(-nk // block_k))
-        kind = classify(maybe_any.expand(shape), surely_all.expand(shape))
-        return BlockLayout(kind=kind, block_q=block_q, block_k=block_k, q_len=nq, kv_len=nk)
+        return layout.block_layout(self, nq, nk, block_q=block_q, block_k=block_k)
 
-    def _scan(self, bi, hi, nq, nk, block_q, block_k):
-        nqb, nkb = -(-nq // block_q), -(-nk // block_k)
-        B, H = bi.shape[0], hi.shape[1]
-        any_ = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
-        all_ = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
-        cols = torch.arange(nk).view(1, 1, 1, nk)
-        pad = nkb * block_k - nk
-        for i in range(nqb):
-            rows = torch.arange(i * block_q, min(nq, (i + 1) * block_q)).view(1, 1, -1, 1)
-            m = self.evaluate(bi, hi, rows, cols, nq, nk).expand(B, H, rows.shape[2], nk)
-            anyc, allc = m.any(2), m.all(2)  # (B, H, nk)
-            if pad:
-                anyc = torch.nn.functional.pad(anyc, (0, pad), value=False)
-                allc = torch.nn.functional.pad(allc, (0, pad), value=True)
-            any_[:, :, i] = anyc.view(B, H, nkb, block_k).any(-1)
-            all_[:, :, i] = allc.view(B, H, nkb, block_k).all(-1)
-        return any_, all_
+    def tile_kinds(self, nq: int, nk: int, block_q: int = 128, block_k: int = 128) -> torch.Tensor:
+        """int8 `(Bm, Hm, nqb, nkb)`: EMPTY / PARTIAL / FULL of every tile per batch element and
+        head (Bm, Hm = 1 where the rule does not depend on them); O(tiles²), for pictures and
+        tests."""
+        self.check(nq, nk)
+        return layout.dense_kinds(self, nq, nk, block_q, block_k)
 
 
 def _paren(m: Mask) -> str:
@@ -293,9 +300,21 @@ def _combine(a: Mask, c: Mask, op: str) -> Mask:
             if m._check is not None:
                 m._check(nq, nk)
 
+    def ranges(ql, qh, n):
+        ra, rc = a.key_ranges(ql, qh, n), c.key_ranges(ql, qh, n)
+        if op == "|":  # reach(a | c) = reach(a) ∪ reach(c): unbounded if either is
+            return None if ra is None or rc is None else (torch.cat([ra[0], rc[0]]),
+                                                          torch.cat([ra[1], rc[1]]))  # fmt: skip
+        if ra is None or rc is None:  # reach(a & c) ⊆ reach(a) ∩ reach(c)
+            return ra if rc is None else rc
+        lo = torch.maximum(ra[0][:, None], rc[0][None]).reshape(-1, ql.numel())
+        hi = torch.minimum(ra[1][:, None], rc[1][None]).reshape(-1, ql.numel())
+        return lo, hi
+
     return Mask(
         rule=rule,
         bounds=bounds,
+        ranges=ranges,
         name=f"{_paren(a)} {op} {_paren(c)}",
         batch=a.batch if a.batch is not None else c.batch,
         heads=a.heads if a.heads is not None else c.heads,
@@ -329,6 +348,12 @@ def _int_list(name: str, values: object) -> list[int]:
     return out
 
 
+def _span(lo: torch.Tensor | int, hi: torch.Tensor | int, like: torch.Tensor):
+    """One interval per query tile, `(1, n)` each."""
+    return (torch.as_tensor(lo).expand(like.shape)[None].clone(),
+            torch.as_tensor(hi).expand(like.shape)[None].clone())  # fmt: skip
+
+
 def _all_true(*like: torch.Tensor) -> torch.Tensor:
     return torch.ones(torch.broadcast_shapes(*(t.shape for t in like)), dtype=torch.bool)
 
@@ -350,6 +375,7 @@ def causal() -> Mask:
     return Mask(
         rule=lambda b, h, q, kv, n: kv <= q,
         bounds=lambda b, h, ql, qh, kl, kh, n: (kl <= qh, kh <= ql),
+        ranges=lambda ql, qh, n: _span(0, qh, ql),
         name="causal()",
     )
 
@@ -361,6 +387,7 @@ def sliding_window(left: int, right: int | None = None) -> Mask:
     right = left if right is None else _int("right", right, 0)
     return Mask(
         rule=lambda b, h, q, kv, n: (kv >= q - left) & (kv <= q + right),
+        ranges=lambda ql, qh, n: _span(ql - left, qh + right, ql),
         bounds=lambda b, h, ql, qh, kl, kh, n: (
             (kl <= qh + right) & (kh >= ql - left),
             (kl >= qh - left) & (kh <= ql + right),
@@ -377,6 +404,7 @@ def dilated_window(window: int, dilation: int) -> Mask:
     return Mask(
         rule=lambda b, h, q, kv, n: ((q - kv).abs() <= reach) & ((q - kv) % dilation == 0),
         bounds=lambda *a: (band._bounds(*a)[0], band._bounds(*a)[1] & (dilation == 1)),
+        ranges=band._ranges,
         name=f"dilated_window({window}, {dilation})",
     )
 
@@ -404,16 +432,35 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> Mask:
         nq_glob, nk_glob = _count_in(table, ql, qh), _count_in(table, kl, kh)
         return (nq_glob > 0) | (nk_glob > 0), (nq_glob == qh - ql + 1) | (nk_glob == kh - kl + 1)
 
+    last = max(idx, default=-1)  # a Python int: checking reads no tensor
+
     def check(nq, nk):
-        if len(table) and table[-1] >= nk:
+        if last >= nk:
             raise ValueError(
-                f"global token index {int(table[-1])} is out of range for a sequence of {nk} keys"
+                f"global token index {last} is out of range for a sequence of {nk} keys"
             )
+
+    # the global keys as runs of consecutive positions: [starts[r], ends[r]]
+    if len(table):
+        brk = torch.nonzero(table.diff() != 1).view(-1)
+        starts = torch.cat([table[:1], table[brk + 1]])
+        ends = torch.cat([table[brk], table[-1:]])
+    else:
+        starts = ends = table
+
+    def ranges(ql, qh, n):
+        has_global = _count_in(table, ql, qh) > 0  # such a query tile reaches every key
+        lo = torch.cat(
+            [torch.where(has_global, 0, n)[None], starts[:, None].expand(-1, ql.numel())]
+        )
+        hi = torch.cat([torch.full_like(ql, n - 1)[None], ends[:, None].expand(-1, ql.numel())])
+        return lo, hi
 
     shown = idx if len(idx) <= 6 else [*sorted(idx)[:3], "…", sorted(idx)[-1]]
     return Mask(
         rule=lambda b, h, q, kv, n: is_global(q) | is_global(kv),
         bounds=bounds,
+        ranges=ranges,
         name=f"global_tokens({shown})".replace("'", ""),
         check=check,
     )
@@ -485,12 +532,18 @@ def document(lengths: Sequence[int] | torch.Tensor) -> Mask:
             raise ValueError(f"document lengths sum to {total}, but the sequence has {nk} keys")
         _queries_within_keys("document", nq, nk)
 
-    return Mask(rule=rule, bounds=bounds, name=f"document({lens})", check=check)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), ends])
+
+    def ranges(ql, qh, n):
+        return _span(starts[_doc_ids(ends, ql)], starts[_doc_ids(ends, qh) + 1] - 1, ql)
+
+    return Mask(rule=rule, bounds=bounds, ranges=ranges, name=f"document({lens})", check=check)
 
 
 def _key_below(n_prefix: int) -> Mask:
     return Mask(
         rule=lambda b, h, q, kv, n: kv < n_prefix,
+        ranges=lambda ql, qh, n: _span(0, n_prefix - 1, ql),
         bounds=lambda b, h, ql, qh, kl, kh, n: (
             (kl < n_prefix) & (qh >= ql),
             (kh < n_prefix) & (qh >= ql),
@@ -527,7 +580,15 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> Mask:
         if max(lens, default=0) > nk:
             raise ValueError(f"padding length {max(lens)} exceeds the sequence of {nk} keys")
 
-    return Mask(rule=rule, bounds=bounds, name=f"padding({lens})", batch=len(lens), check=check)
+    longest = max(lens, default=0)
+    return Mask(
+        rule=rule,
+        bounds=bounds,
+        ranges=lambda ql, qh, n: _span(0, longest - 1, ql),
+        name=f"padding({lens})",
+        batch=len(lens),
+        check=check,
+    )
 
 
 def key_mask(valid: torch.Tensor) -> Mask:
@@ -550,9 +611,13 @@ def key_mask(valid: torch.Tensor) -> Mask:
         if table.shape[1] != nk:
             raise ValueError(f"key_mask covers {table.shape[1]} keys, but the sequence has {nk}")
 
+    real = table.any(0).nonzero().view(-1)  # keys real in some batch element
+    first, last = (int(real[0]), int(real[-1])) if real.numel() else (1, 0)
+
     return Mask(
         rule=rule,
         bounds=bounds,
+        ranges=lambda ql, qh, n: _span(first, last, ql),
         name=f"key_mask(B={table.shape[0]}, Nk={table.shape[1]})",
         batch=table.shape[0],
         check=check,
@@ -563,50 +628,112 @@ def bigbird(window: int, n_global: int, n_random: int, block: int, seed: int = 0
     """BigBird (Zaheer et al. 2020) at block granularity: with blocks of `block` positions, query
     block i attends key blocks j with |i − j| ≤ window, the first `n_global` blocks attend and
     are attended everywhere, and each query block attends `n_random` random key blocks (a
-    function of `seed` and i)."""
+    function of `seed` and i).
+
+    Memory is O(blocks · n_random): the random picks are kept (in qkv's bounded cache), never
+    an n_blocks² table."""
     window, n_global = _int("window", window, 0), _int("n_global", n_global, 0)
     n_random, block = _int("n_random", n_random, 0), _int("block", block, 1)
     seed = _int("seed", seed, 0)
-    cache: dict[int, torch.Tensor] = {}
 
-    def table(n: int) -> torch.Tensor:
-        """Allowed (query block, key block) pairs for a sequence of n positions."""
-        if n not in cache:
-            nb = max(1, -(-n // block))
-            i = torch.arange(nb).view(-1, 1)
-            j = torch.arange(nb).view(1, -1)
-            allowed = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
-            if n_random:
-                g = torch.Generator().manual_seed(seed)
-                picks = torch.rand(nb, nb, generator=g).argsort(-1)[:, :n_random]
-                allowed[torch.arange(nb).view(-1, 1), picks] = True
-            cache[n] = allowed
-        return cache[n]
+    def picks(n: int) -> torch.Tensor:
+        """`(nb, n_random)` int64: the random key blocks of each query block, for n positions."""
+        nb = max(1, -(-n // block))
+        r = min(n_random, nb)
+
+        def build() -> torch.Tensor:
+            g = torch.Generator().manual_seed(seed)
+            rows = max(1, 2**22 // nb)  # draw a few MB of uniforms at a time
+            parts = [
+                torch.rand(min(rows, nb - i), nb, generator=g).topk(r, largest=False).indices
+                for i in range(0, nb, rows)
+            ]
+            return torch.cat(parts).sort(-1).values
+
+        return CACHE.get(("bigbird-picks", seed, nb, r), build)
 
     def rule(b, h, q, kv, n):
-        t = table(n).to(q.device)
-        return t[q // block, kv // block]
+        i, j = q // block, kv // block
+        allowed = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
+        if n_random:
+            p = picks(n).to(q.device)
+            i_, j_ = torch.broadcast_tensors(i, j)
+            rows = p[i_.clamp(max=p.shape[0] - 1)]  # (..., n_random)
+            for t in range(rows.shape[-1]):  # one comparison per pick: no (..., R) temporary
+                allowed = allowed | (rows[..., t] == j_)
+        return allowed
 
     def check(nq, nk):
         _queries_within_keys("bigbird", nq, nk)
 
+    def blocks_allowed(i, j, p):
+        ok = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
+        if p is not None:
+            ok = ok | (p[i.clamp(max=p.shape[0] - 1)] == j.unsqueeze(-1)).any(-1)
+        return ok
+
     def bounds(b, h, ql, qh, kl, kh, n):
-        t = table(n).to(torch.int64)
-        csum = torch.nn.functional.pad(t.cumsum(0).cumsum(1), (1, 0, 1, 0))  # 2-D prefix sums
-        r0, r1 = ql // block, qh // block + 1
-        c0, c1 = kl // block, kh // block + 1
-        shape = torch.broadcast_shapes(r0.shape, c0.shape)
-        r0, r1, c0, c1 = (x.expand(shape) for x in (r0, r1, c0, c1))
-        count = csum[r1, c1] - csum[r0, c1] - csum[r1, c0] + csum[r0, c0]
-        return count > 0, count == (r1 - r0) * (c1 - c0)
+        i0, i1, j0, j1 = ql // block, qh // block, kl // block, kh // block  # inclusive
+        p = picks(n) if n_random else None
+        if int((i1 - i0).max()) + 1 <= 8 and int((j1 - j0).max()) + 1 <= 8:
+            # few block pairs per rectangle (tiles of about a block): enumerate them, exact
+            shape = torch.broadcast_shapes(i0.shape, i1.shape, j0.shape, j1.shape)
+            any_ = torch.zeros(shape, dtype=torch.bool)
+            all_ = torch.ones(shape, dtype=torch.bool)
+            for di in range(int((i1 - i0).max()) + 1):
+                for dj in range(int((j1 - j0).max()) + 1):
+                    i, j = (i0 + di).expand(shape), (j0 + dj).expand(shape)
+                    inside = (i <= i1) & (j <= j1)
+                    ok = blocks_allowed(i, j, p)
+                    any_ |= inside & ok
+                    all_ &= ~inside | ok
+            return any_, all_
+        any_ = (j0 <= i1 + window) & (j1 >= i0 - window) | (i0 < n_global) | (j0 < n_global)
+        all_ = (j0 >= i1 - window) & (j1 <= i0 + window) | (i1 < n_global) | (j1 < n_global)
+        if p is not None:  # a random pick inside makes it non-empty (full: left to the rule)
+            any_ = any_ | _picks_in(p, i0, i1, j0, j1)
+        return any_, all_
+
+    def ranges(ql, qh, n):
+        i0, i1 = ql // block, qh // block
+        lo = [(i0 - window) * block, torch.zeros_like(ql), torch.where(i0 < n_global, 0, n)]
+        hi = [(i1 + window + 1) * block - 1, torch.full_like(ql, n_global * block - 1)]
+        hi.append(torch.full_like(ql, n - 1))
+        if n_random:  # the picks of every block row the tile spans
+            p = picks(n)
+            for d in range(int((i1 - i0).max()) + 1 if ql.numel() else 0):
+                row = (i0 + d).clamp(max=p.shape[0] - 1)
+                live = (i0 + d) <= i1
+                for t in range(p.shape[1]):
+                    lo.append(torch.where(live, p[row, t] * block, n))
+                    hi.append(torch.where(live, (p[row, t] + 1) * block - 1, -1))
+        return torch.stack(lo), torch.stack(hi)
 
     return Mask(
         rule=rule,
         bounds=bounds,
+        ranges=ranges,
         name=f"bigbird(window={window}, n_global={n_global}, n_random={n_random}, "
         f"block={block}, seed={seed})",
         check=check,
     )
+
+
+def _picks_in(picks: torch.Tensor, i0, i1, j0, j1) -> torch.Tensor:
+    """Whether any row r in [i0, i1] of `picks (nb, R)` (sorted rows) holds a value in [j0, j1];
+    the ranges are broadcastable int64 tensors of block indices."""
+    shape = torch.broadcast_shapes(i0.shape, i1.shape, j0.shape, j1.shape)
+    i0, i1, j0, j1 = (x.expand(shape).reshape(-1) for x in (i0, i1, j0, j1))
+    nb = picks.shape[0]
+    i0, i1 = i0.clamp(0, nb - 1), i1.clamp(0, nb - 1)
+    out = torch.zeros(i0.shape, dtype=torch.bool)
+    span = int((i1 - i0).max()) + 1 if i0.numel() else 0
+    for d in range(span):  # rows of the rectangles, one offset at a time
+        r = (i0 + d).clamp(max=nb - 1)
+        live = (i0 + d) <= i1
+        row = picks[r]  # (M, R)
+        out |= live & ((row >= j0.unsqueeze(-1)) & (row <= j1.unsqueeze(-1))).any(-1)
+    return out.view(shape)
 
 
 def from_tensor(mask: torch.Tensor) -> Mask:
@@ -698,7 +825,16 @@ def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool 
                 f"cu_seqlens describe {tq} query and {tk} key tokens, got Nq={nq}, Nk={nk}"
             )
 
+    def ranges(ql, qh, n):  # the keys of the sequences the tile's query rows belong to
+        d0 = seq_q(ql - (tk - tq)).clamp(max=len(ends_q) - 1)
+        d1 = seq_q(qh - (tk - tq)).clamp(max=len(ends_q) - 1)
+        return _span(cu_k[d0], cu_k[d1 + 1] - 1, ql)
+
     n_seq = cu_q.numel() - 1
     return Mask(
-        rule=rule, bounds=bounds, name=f"varlen({n_seq} sequences, causal={causal})", check=check
+        rule=rule,
+        bounds=bounds,
+        ranges=ranges,
+        name=f"varlen({n_seq} sequences, causal={causal})",
+        check=check,
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .layout import BlockLayout
 from .masks import Mask
 from .scores import ScoreMod
 
@@ -35,11 +36,15 @@ class AttentionPlan:
     mask: torch.Tensor | None  # bool, 4-D, broadcastable to (B, H, Nq, Nk); True = may attend
     bias: torch.Tensor | None  # float, 4-D, broadcastable to (B, H, Nq, Nk); added to scaled scores
     mask_rule: Mask | None  # a structured qkv.masks.Mask, evaluated tile by tile
+    layout: BlockLayout | None  # a layout the caller built and passed as the mask (held)
     score_mod: ScoreMod | None  # applied to the scaled scores before masking
     dropout_p: float  # probability of dropping an attention weight
-    dropout_seed: int | None  # seed of the counter-based dropout mask; None when dropout_p == 0
+    dropout_seed: int | torch.Tensor | None  # dropout mask's seed (an int64 0-dim tensor when
+    # drawn from torch's RNG: no host sync); None when dropout_p == 0
+    finite_inputs: bool  # the caller promises k and v hold no NaN/inf (see qkv.attention)
     return_lse: bool  # the caller wants lse
     return_weights: bool  # the caller wants the attention matrix A
+    wants_grad: bool  # autograd will differentiate the result (grad mode, an input requires it)
     input_rank: int  # 2, 3 or 4: the rank the caller used, restored on the way out
     dtype: torch.dtype  # dtype of q, k, v and of the output
     device: torch.device  # device of every tensor in the problem
@@ -56,10 +61,11 @@ class AttentionPlan:
 
     @property
     def has_masking(self) -> bool:
-        """True when some (query, key) pair may be excluded from the softmax."""
-        if self.causal or self.mask is not None or self.mask_rule is not None:
-            return True
-        return self.bias is not None and bool(torch.isneginf(self.bias).any())
+        """True when some (query, key) pair may be excluded from the softmax (a float bias
+        counts: it may hold −inf; decided on metadata, never by reading values)."""
+        return self.causal or any(
+            x is not None for x in (self.mask, self.bias, self.mask_rule, self.layout)
+        )
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -106,7 +112,7 @@ def _check_mask(
     if not isinstance(mask, torch.Tensor):
         raise TypeError(
             f"mask must be a torch.Tensor (bool: True = may attend; float: added to the scores), "
-            f"a qkv.masks.Mask, or None, got {_describe(mask)}"
+            f"a qkv.masks.Mask, a qkv.layout.BlockLayout, or None, got {_describe(mask)}"
         )
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         raise TypeError(
@@ -144,7 +150,8 @@ def make_plan(
     return_lse: object = False,
     return_weights: object = False,
     score_mod: object = None,
-    dropout_seed: int | None = None,
+    dropout_seed: int | torch.Tensor | None = None,
+    finite_inputs: object = False,
 ) -> AttentionPlan:
     """Check every argument of `qkv.attention` and build the plan (see its docstring)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -200,12 +207,33 @@ def make_plan(
         scale_f = _check_number("scale", scale)
         if not math.isfinite(scale_f) or scale_f <= 0:
             raise ValueError(f"scale must be a finite number > 0, got scale={scale!r}")
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        info = torch.finfo(cdt)
+        if not info.tiny <= scale_f <= info.max:
+            raise ValueError(
+                f"scale={scale!r} is outside the normal range of {cdt}, the dtype scores are "
+                f"computed in ([{info.tiny:.3g}, {info.max:.3g}]): it would round to 0 or inf"
+            )
     p = _check_number("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p={dropout_p!r} is out of range [0, 1)")
     for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {_describe(flag)}")
+    held = None
+    if isinstance(mask, BlockLayout):
+        held = mask
+        if (held.q_len, held.kv_len) != (Nq, Nk):
+            raise ValueError(
+                f"mask is a BlockLayout built for (Nq, Nk)=({held.q_len}, {held.kv_len}), "
+                f"but q and k give ({Nq}, {Nk})"
+            )
+        if held.causal != causal and Nq > 1:
+            raise ValueError(
+                f"mask is a BlockLayout built with causal={held.causal}; pass "
+                f"causal={held.causal} (the layout holds its tiles for that)"
+            )
+        mask = held.mask
     bool_mask, bias, rule = _check_mask(mask, (B, H, Nq, Nk), q.device)
     if score_mod is not None:
         if not isinstance(score_mod, ScoreMod):
@@ -217,9 +245,12 @@ def make_plan(
                 f"score_mod {score_mod!r} is written for {score_mod.heads} heads, got H={H}"
             )
     if p > 0 and dropout_seed is None:
-        # Drawn from torch's RNG on q's device, so torch.manual_seed makes dropout repeatable.
+        # Drawn from torch's RNG on q's device, so torch.manual_seed makes dropout repeatable;
+        # kept as a tensor, so drawing it needs no host sync (and no graph break).
         gen_device = q.device if q.device.type != "meta" else "cpu"
-        dropout_seed = int(torch.randint(0, 2**62, (1,), device=gen_device).item())
+        dropout_seed = torch.randint(0, 2**62, (1,), device=gen_device)[0]
+    if not isinstance(finite_inputs, bool):
+        raise TypeError(f"finite_inputs must be a bool, got {_describe(finite_inputs)}")
     return AttentionPlan(
         batch=B,
         heads=H,
@@ -234,11 +265,18 @@ def make_plan(
         mask=bool_mask,
         bias=bias,
         mask_rule=rule,
+        layout=held,
         score_mod=score_mod,
         dropout_p=p,
         dropout_seed=dropout_seed if p > 0 else None,
+        finite_inputs=finite_inputs,
         return_lse=return_lse,
         return_weights=return_weights,
+        wants_grad=torch.is_grad_enabled()
+        and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (q, k, v, bias, *(score_mod.params if score_mod is not None else ()))
+        ),
         input_rank=q.dim(),
         dtype=q.dtype,
         device=q.device,

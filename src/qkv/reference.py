@@ -36,8 +36,43 @@ class Steps:
     lse: torch.Tensor  # log Σ_j exp(S_scaled[i, j]); −inf for a fully masked row, (…, Nq)
 
 
+# Nq×Nk tensors the formula holds at once: S, S_scaled, exp(S_scaled − m), A and a temporary.
+SCORE_COPIES = 5
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can take on `device` (Linux MemAvailable on the CPU, the free
+    memory of a CUDA device), or None where that is unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def check_fits(plan: AttentionPlan, device: torch.device) -> None:
+    """Raise MemoryError, before allocating, when the formula's Nq×Nk matrices cannot fit."""
+    elt = torch.empty((), dtype=plan.compute_dtype).element_size()
+    need = plan.batch * plan.heads * plan.q_len * plan.kv_len * elt * SCORE_COPIES
+    free = available_bytes(device)
+    if free is not None and need > free:
+        shape = (plan.batch, plan.heads, plan.q_len, plan.kv_len)
+        raise MemoryError(
+            f"the reference formula builds the full (B, H, Nq, Nk) = {shape} score matrix "
+            f"{SCORE_COPIES} times over: about {need / 2**30:.1f} GiB, and {device} has "
+            f"{free / 2**30:.1f} GiB available. Use backend='tiled' or 'auto' (O(N) memory)"
+        )
+
+
 def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Steps:
     """The formula on canonical 4-D tensors; returns 4-D `Steps`. Differentiable by autograd."""
+    check_fits(plan, q.device)
     B, H, Hkv, G = plan.batch, plan.heads, plan.kv_heads, plan.groups
     Nq, Nk = plan.q_len, plan.kv_len
     cdt = plan.compute_dtype
@@ -48,8 +83,9 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     S = (q5 @ k5.transpose(-1, -2)).reshape(B, H, Nq, Nk)  # (B, H, Nq, Nk)
     S_scaled = S * plan.scale
-    if plan.bias is not None:
-        S_scaled = S_scaled + plan.bias.to(cdt)
+    if plan.bias is not None:  # a −inf excludes the pair, whatever its score (even NaN)
+        bias = plan.bias.to(cdt)
+        S_scaled = torch.where(torch.isneginf(bias), -torch.inf, S_scaled + bias)
     if plan.score_mod is not None:
         b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
         h = torch.arange(H, device=q.device).view(1, H, 1, 1)

@@ -58,7 +58,14 @@ class ScoreMod:
 
 
 def compose(*mods: ScoreMod) -> ScoreMod:
-    """Apply `mods` left to right."""
+    """Apply `mods` left to right: `compose(f, g)` computes `g(f(score))`.
+
+    The order matters when modifiers do not commute. FlashAttention caps the score first and
+    adds ALiBi after, `cap · tanh(s / cap) − slope · |q − kv|`; in qkv that is
+    `compose(softcap(cap), alibi(slopes))`. `compose(alibi(slopes), softcap(cap))` caps the
+    biased score instead, `cap · tanh((s − slope · |q − kv|) / cap)`. The name reads as
+    function composition, right to left: `alibi(H heads) ∘ softcap(cap)` for the first.
+    """
     for m in mods:
         if not isinstance(m, ScoreMod):
             raise TypeError(f"compose takes ScoreMod objects, got {type(m).__name__}")
@@ -140,7 +147,7 @@ def relative_bias(table: torch.Tensor, max_distance: int) -> ScoreMod:
     def fn(score, b, h, q, kv):
         rel = (kv - q).clamp(-M, M) + M
         rows = h if table.shape[0] > 1 else torch.zeros_like(h)
-        return score + table[rows, rel].to(score.dtype)
+        return score + table.to(score.dtype)[rows, rel]
 
     heads = table.shape[0] if table.shape[0] > 1 else None
     name = f"relative_bias(H={table.shape[0]}, max_distance={M})"

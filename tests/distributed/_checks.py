@@ -3,7 +3,7 @@
 Each check runs on every rank, does all its collectives first and asserts last (so a failed
 assertion on one rank cannot leave the others waiting in a collective), and compares this
 rank's shard of outputs and gradients with single-process `qkv.attention` over the whole
-sequence: fp64 to 1e-10, lower precisions under the error-ratio rule of DESIGN.md §3.
+sequence: fp64 to 1e-10, lower precisions under the error rule of docs/design.md.
 """
 
 from __future__ import annotations

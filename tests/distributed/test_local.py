@@ -134,7 +134,8 @@ def test_ring_shape_errors():
 def test_sequence_parallel_module_in_one_process():
     torch.manual_seed(0)
     plain = qnn.MultiHeadAttention(16, 4, 2, rope=True).double()
-    sharded = qnn.MultiHeadAttention(16, 4, 2, rope=True, sequence_parallel=True).double()
+    sharded = qnn.MultiHeadAttention(16, 4, 2, rope=True, sequence_parallel=qd.SequenceParallel())
+    sharded = sharded.double()
     sharded.load_state_dict(plain.state_dict())
     x = torch.randn(2, 12, 16, dtype=torch.float64)
     torch.testing.assert_close(sharded(x, causal=True), plain(x, causal=True))

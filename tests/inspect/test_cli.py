@@ -145,10 +145,44 @@ def test_bench_bad_input(argv, message):
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
 
 
-def test_demo_writes_its_report(minilm, tmp_path):
+def tiny_labs(monkeypatch) -> None:
+    """The labs' quick presets shrunk to seconds (the demo's wiring is what is tested)."""
+    from qkv.labs import rnn, routing, scale
+
+    monkeypatch.setattr(
+        rnn,
+        "QUICK",
+        rnn.Preset(
+            ns=(16,),
+            width=8,
+            repeats=1,
+            budget_s=60.0,
+            distances=(1, 3),
+            seeds=1,
+            steps=5,
+            d_model=8,
+            samples=8,
+        ),
+    )
+    monkeypatch.setattr(
+        scale,
+        "QUICK",
+        scale.Preset(d_ks=(4, 16), samples=500, keys=8, rows=16, train_d_k=16, steps=10, every=5),
+    )
+    monkeypatch.setattr(
+        routing,
+        "QUICK",
+        routing.Preset(
+            length=8, width=8, layers=(1,), trials=1, route_length=8, steps=5, examples=3, samples=8
+        ),
+    )
+
+
+def test_demo_writes_its_report(minilm, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from qkv.inspect import bench, demo
 
+    tiny_labs(monkeypatch)
     tiny = bench.Sizes(ns=(64, 128), heads=2, window=16, repeats=1, dim=16)
     lines = []
     index = demo.run(tmp_path / "demo", tiny, progress=False, echo=lines.append)
@@ -156,6 +190,10 @@ def test_demo_writes_its_report(minilm, tmp_path):
     for link in re.findall(r'(?:href|src)="([^"]+)"', page):
         assert (index.parent / link).stat().st_size > 0, link
     assert "viewer.html" in page and "cost.png" in page
+    for name in ("rnn", "scale", "routing"):
+        assert f"lab-{name}.png" in page and f"qkv lab {name}" in page
+        doc = json.loads((index.parent / f"lab-{name}.json").read_text())
+        assert doc["lab"] == name
     assert "self-attention" in (index.parent / "explain.txt").read_text().lower()
     assert "因果" not in (index.parent / "explain-zh.txt").read_text()  # not causal by default
     assert lines[-1].strip().startswith("qkv demo finished in")

@@ -39,3 +39,18 @@ def test_embedded_weights_decode_to_the_map():
     decoded = (q[:, 0] + 256 * q[:, 1]).double().view(amap.weights.shape) / 65535
     # 16-bit fixed point: the error is at most half a step
     assert (decoded - amap.weights).abs().max().item() <= 0.5 / 65535 + 1e-12
+
+
+HOSTILE = "a <!--<script> b </script> c & d \u2028 > e"
+
+
+def test_no_user_string_reaches_the_page_as_markup():
+    amap = AttentionMap.from_weights(
+        torch.eye(3).view(1, 1, 3, 3), ["<!--<script>", "</script>", "&amp;"], text=HOSTILE
+    )
+    page = viewer_html(amap)
+    start = page.index("const DATA = ") + len("const DATA = ")
+    embedded = page[start : page.index(";\n", start)]
+    assert not set("<>&") & set(embedded)  # nothing the HTML parser could read as a tag
+    data = json.loads(embedded)
+    assert data["text"] == HOSTILE and data["words"] == amap.words  # the text itself is intact

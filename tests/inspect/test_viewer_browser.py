@@ -1,5 +1,6 @@
 """The viewer in a real headless Chromium (Debian's `chromium`, driven by Playwright): no
-network, a 128-token input from the real model, and a click shows the right weights.
+network, a 128-token input from the real model, and a click shows the right weights (of a head,
+and of the attention rollout).
 
 Skipped when Playwright or Chromium is missing, unless QKV_REQUIRE_BROWSER=1 (CI sets it, so
 there a missing browser is a failure, not a skip)."""
@@ -92,6 +93,19 @@ def test_click_shows_the_words_weights_in_chromium(minilm, tmp_path):
         assert after != before
         _agree(after, _expected(amap, 5, 2, word))
         draw_ms = page.evaluate("window.qkvLastDrawMs")
+
+        page.select_option("#head", "-2")  # the rollout through layers 0..5
+        assert page.inner_text("#selected").startswith(
+            '"it" (word 8) draws from, rollout through layers 0..5'
+        )
+        rolled = amap.rollout()[5, word]
+        order = rolled.argsort(descending=True, stable=True)[:10].tolist()
+        _agree(_shown(page), [(amap.words[j], rolled[j].item()) for j in order])
+        page.click("#overview canvas[data-layer='2'][data-head='-2']")
+        assert page.input_value("#layer") == "2" and page.input_value("#head") == "-2"
+        rolled = amap.rollout()[2, word]
+        order = rolled.argsort(descending=True, stable=True)[:10].tolist()
+        _agree(_shown(page), [(amap.words[j], rolled[j].item()) for j in order])
         browser.close()
 
     assert errors == []
@@ -100,3 +114,32 @@ def test_click_shows_the_words_weights_in_chromium(minilm, tmp_path):
         f"\n[viewer] 128 tokens: click → weights shown in {click_s * 1e3:.0f} ms "
         f"(page redraw {draw_ms:.1f} ms)"
     )
+
+
+def test_a_text_that_looks_like_markup_cannot_blank_the_page(tmp_path):
+    """`<!--<script>` in the text puts the HTML parser in its double-escaped script state, where
+    the real `</script>` no longer ends the script: the page used to stay blank."""
+    import torch
+
+    from qkv.inspect.attend import AttentionMap
+
+    sync_playwright, chromium = _browser()
+    words = ["<!--<script>", "it", "</script><b>x</b>", "&lt;"]
+    text = "<!--<script> it </script><b>x</b> &lt;"
+    w = torch.full((1, 2, 4, 4), 0.25, dtype=torch.float64)
+    path = write_viewer(AttentionMap.from_weights(w, words, text=text), tmp_path / "v.html")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(path.as_uri())
+        page.wait_for_function("window.qkvViewerReady === true", timeout=10_000)
+        assert page.inner_text("#sentence") == text  # shown as typed, not parsed
+        shown = page.eval_on_selector_all(
+            "#lines text[data-side=from]", "ts => ts.map(t => t.textContent)"
+        )
+        assert shown == words
+        assert page.query_selector("#sentence b") is None
+        browser.close()
+    assert errors == []

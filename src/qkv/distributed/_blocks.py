@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.schedule import tile_kinds
-from ..kernels.tiled import LOG2E, TiledBackend, _backward, _Tiles, fold_run, kernel_units
-from ..masks import EMPTY, Mask
-from ..numerics import all_finite
+from ..kernels.steps import RowStats, TileProblem, Tiling, backward_loop, fold_run
+from ..layout import build, layout_for
+from ..masks import Mask
+from ..numerics import row_dot
 from ..plan import make_plan
 from .layout import Segment, segments
 
@@ -36,33 +36,9 @@ def at_offset(
     head_start: int = 0,
     heads: int | None = None,
 ) -> Mask:
-    """`mask` (written for the whole N×N problem and all H heads) seen from a block whose query
-    rows start at global position `q_start` and whose keys start at `k_start`, holding heads
-    `head_start …` (`heads` of them). The block must be square (as many queries as keys), so
-    that a local row index is the local query position."""
-    rule, bounds = mask._rule, mask._bounds
-
-    def shifted_rule(b, h, q, kv, n):
-        return rule(b, h + head_start, q + q_start, kv + k_start, n_global)
-
-    shifted_bounds = None
-    if bounds is not None:
-
-        def shifted_bounds(b, h, ql, qh, kl, kh, n):
-            hh = h + head_start
-            return bounds(b, hh, ql + q_start, qh + q_start, kl + k_start, kh + k_start, n_global)
-
-    return Mask(
-        rule=shifted_rule,
-        bounds=shifted_bounds,
-        name=f"{mask!r} @ (q+{q_start}, k+{k_start}, h+{head_start})",
-        batch=mask.batch,
-        heads=heads if mask.heads is not None else None,
-    )
-
-
-def has_bounds(mask: Mask | None) -> bool:
-    return mask is not None and mask._bounds is not None
+    """`mask` (written for the whole N×N problem and all H heads) seen from a square block
+    whose query rows start at global position `q_start` and keys at `k_start` (`Mask.shifted`)."""
+    return mask.shifted(q_start, k_start, n_global, head_start, heads)
 
 
 @dataclass(frozen=True)
@@ -104,12 +80,9 @@ def schedule(
                 diagonal = ks.stop - 1 > qs.start  # some key after some query
                 if diagonal and (ks.start, ks.length) != (qs.start, qs.length):
                     raise AssertionError("runs of equal, aligned chunks overlap only as equals")
-            if has_bounds(mask):
-                assert mask is not None
+            if mask is not None and mask.has_bounds:
                 shifted = at_offset(mask, qs.start, ks.start, n_global, 0, mask.heads)
-                if not bool(
-                    (shifted.blocks(qs.length, ks.length, qs.length, ks.length).kind != EMPTY).any()
-                ):
+                if build(qs.length, ks.length, qs.length, ks.length, rule=shifted).nnz == 0:
                     skipped += 1
                     continue
             blocks.append(Block(qs, ks, diagonal))
@@ -131,21 +104,19 @@ def _plan(q, k, v, block: Block, mask: Mask | None, scale: float):
 class Softmax:
     """The online-softmax state of this rank's query rows, carried from block to block.
 
-    For every query row: `m`, the largest score seen so far (log2 units, as the tiled kernel
-    keeps them), `l`, the sum of `2^(s − m)` over the keys seen so far, and `acc`, the sum of
-    `2^(s − m) v`. Folding in a block is the tiled kernel's online softmax continued over the
-    block's keys; `lse = m·ln 2 + log l` and `out = acc / l` come out once, at the end. This is
-    the log-sum-exp merge of partial results, held as the pair (m, l) instead of one rounded
-    lse per block: the rescaling factors `2^(m_old − m_new)` are then exact differences of
-    scores, and the merged result is as accurate as the single-process kernel's.
+    For every query row: `m`, the largest score seen so far, `l`, the sum of `exp(s − m)` over
+    the keys seen so far, and `acc`, the sum of `exp(s − m) v`. Folding in a block is the tiled
+    kernel's online softmax continued over the block's keys; `lse = m + log l` and
+    `out = acc / l` come out once, at the end. This is the log-sum-exp merge of partial
+    results, held as the pair (m, l) instead of one rounded lse per block: the rescaling
+    factors `exp(m_old − m_new)` are then exact differences of scores, and the merged result is
+    as accurate as the single-process kernel's.
     """
 
     def __init__(self, B, Hkv, G, n, Dv, dtype, device, scale: float):
         self.m = torch.full((B, Hkv, G, n), -torch.inf, dtype=dtype, device=device)
         self.l = torch.zeros(B, Hkv, G, n, dtype=dtype, device=device)
         self.acc = torch.zeros(B, Hkv, G, n, Dv, dtype=dtype, device=device)
-        self.unit = LOG2E  # no score modifier: the kernel works in log2 units
-        self.q_scale, self.lse_unit = kernel_units(scale, self.unit, dtype)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out `(B, H, n, Dv)`, lse `(B, H, n)`) in the compute dtype; a row that no key
@@ -154,12 +125,12 @@ class Softmax:
         empty = self.l == 0
         l_safe = torch.where(empty, 1.0, self.l)
         out = self.acc / l_safe.unsqueeze(-1)
-        lse = torch.where(empty, -torch.inf, self.m / self.lse_unit + torch.log(l_safe))
+        lse = torch.where(empty, -torch.inf, self.m + torch.log(l_safe))
         return out.view(B, Hkv * G, n, Dv), lse.view(B, Hkv * G, n)
 
 
 def forward(
-    backend: TiledBackend,
+    tiling: Tiling,
     state: Softmax,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,12 +143,10 @@ def forward(
     are already cut to the block, in the compute dtype. The loop is the tiled kernel's forward
     (its step `qkv.kernels.tiled.fold_run`) with the running (m, l, acc) read from and written
     back to `state` instead of starting afresh."""
-    T = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
+    T = TileProblem(_plan(q, k, v, block, mask, scale), q, tiling)
     plan = T.plan
-    assert (T.q_scale, T.lse_unit) == (state.q_scale, state.lse_unit)
     B, Hkv, G, D, Dv = plan.batch, plan.kv_heads, plan.groups, plan.head_dim, plan.v_dim
     qs = q.reshape(B, Hkv, G, plan.q_len, D)  # (B, Hkv, G, n, D)
-    v_finite = all_finite(v)
     base = block.q.local
     for strip in T.forward_strips():
         i0, i1 = strip.start, strip.stop  # rows of the block
@@ -188,15 +157,15 @@ def forward(
         l = state.l[..., r0:r1].reshape(B, Hkv, G * n, 1).clone()
         acc = state.acc[..., r0:r1, :].reshape(B, Hkv, G * n, Dv).clone()
         for run in strip.runs:
-            m, l, acc = fold_run(T, q_t, k, v, i0, i1, run, m, l, acc, v_finite)
+            m, l, acc = fold_run(T, q_t, k, v, i0, i1, run, m, l, acc)
         state.m[..., r0:r1] = m.view(B, Hkv, G, n)
         state.l[..., r0:r1] = l.view(B, Hkv, G, n)
         state.acc[..., r0:r1, :] = acc.view(B, Hkv, G, n, Dv)
-    return int((T.kinds != EMPTY).sum())
+    return T.layout.nnz
 
 
 def backward(
-    backend: TiledBackend,
+    tiling: Tiling,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -209,8 +178,13 @@ def backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's contributions (dq, dk, dv), given the merged out/lse of its query rows."""
-    tiles = _Tiles(_plan(q, k, v, block, mask, scale), q, backend)
-    dq, dk, dv, _ = _backward(tiles, q, k, v, out, lse, dout, dlse)
+    tiles = TileProblem(_plan(q, k, v, block, mask, scale), q, tiling)
+    # D_i over the row's keys on every rank: rowsum(dO ∘ O) of the merged output
+    delta = row_dot(out.new_zeros(out.shape) if dout is None else dout, out, torch.float64)
+    if dlse is not None:
+        delta = delta - dlse.double()
+    stats = RowStats.from_lse(lse, tiles.cdt)
+    dq, dk, dv, _ = backward_loop(tiles, q, k, v, stats, dout, None, delta=delta)
     return dq, dk, dv
 
 
@@ -225,7 +199,7 @@ def tiles_per_rank(
     """Tiles (block × block of the tiled kernel) each rank computes in one ring forward over a
     sequence of `seq_len` tokens, without running it: the work balance of a layout."""
     n_local = seq_len // world
-    backend = TiledBackend(block, block)
+    tiling = Tiling(block, block)
     counts = []
     for rank in range(world):
         total = 0
@@ -237,6 +211,6 @@ def tiles_per_rank(
                 k = torch.empty(1, 1, blk.k.length, 1, device="meta")
                 m = block_mask(blk, mask, seq_len, 0, mask.heads if mask else None)
                 plan = _plan(q, k, k, blk, m, 1.0)
-                total += int((tile_kinds(plan, backend.block_q, backend.block_k) != EMPTY).sum())
+                total += layout_for(plan, tiling.block_q, tiling.block_k).nnz
         counts.append(total)
     return counts

@@ -61,8 +61,13 @@ class SequenceParallel:
             f"qkv.distributed.SequenceParallel, got {type(value).__name__}"
         )
 
-    def positions(self, n_local: int, device: torch.device | None = None) -> torch.Tensor:
-        """Global positions of this rank's n_local tokens."""
+    def positions(
+        self, n_local: int, start: int = 0, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """Global positions of this rank's n_local tokens (`start`: cached tokens, which a
+        sharded sequence does not have)."""
+        if start:
+            raise NotImplementedError("sequence-parallel attention does not support a KVCache")
         return positions(n_local, self.layout, self.group, device)
 
     def attention(
@@ -73,8 +78,29 @@ class SequenceParallel:
         *,
         causal: bool = False,
         mask: Mask | None = None,
+        backend: object = "auto",
+        dropout_p: float = 0.0,
+        return_weights: bool = False,
+        cross: bool = False,
+        cache: bool = False,
     ) -> torch.Tensor:
-        """This rank's shard of attention over the whole sharded sequence."""
+        """This rank's shard of attention over the whole sharded sequence (what
+        `qkv.nn.MultiHeadAttention` calls; `backend` is the ring's per-block kernel choice,
+        ignored here)."""
+        unsupported = {
+            "context (cross-attention)": cross,
+            "a KVCache": cache,
+            "return_weights": return_weights,
+            "attention dropout in training mode": dropout_p > 0,
+        }
+        for what, used in unsupported.items():
+            if used:
+                raise NotImplementedError(f"sequence-parallel attention does not support {what}")
+        if mask is not None and not isinstance(mask, Mask):
+            raise TypeError(
+                "with sequence_parallel, mask must be a structured qkv.masks.Mask over global "
+                f"positions, got {type(mask).__name__}"
+            )
         kw = dict(causal=causal, mask=mask, layout=self.layout, group=self.group)
         if self.method == "ring":
             return ring_attention(q, k, v, head_chunks=self.head_chunks, **kw)

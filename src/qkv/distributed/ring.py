@@ -41,6 +41,7 @@ import torch
 
 from ..kernels.tiled import TiledBackend
 from ..masks import Mask
+from ..numerics import once_differentiable
 from ..plan import from_4d, to_4d
 from . import _blocks, _comm
 from ._problem import Problem, validate
@@ -86,7 +87,7 @@ def _ring_forward(cfg: _Config, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             for blk in blocks:
                 mask = _blocks.block_mask(blk, P.mask, P.n_global, c * (H // g), H // g)
                 tiles = _blocks.forward(
-                    cfg.backend,
+                    cfg.backend.tiling,
                     state,
                     q_c[:, :, blk.q.rows].to(cdt),
                     kv[0][:, :, blk.k.rows].to(cdt),
@@ -136,7 +137,7 @@ def _ring_backward(cfg: _Config, q, k, v, out, lse, dout, dlse):
                 rows, cols = blk.q.rows, blk.k.rows
                 mask = _blocks.block_mask(blk, P.mask, P.n_global, c * (H // g), H // g)
                 dq_b, dk_b, dv_b = _blocks.backward(
-                    cfg.backend,
+                    cfg.backend.tiling,
                     q_c[:, :, rows],
                     kv[0][:, :, cols].to(cdt),
                     kv[1][:, :, cols].to(cdt),
@@ -178,8 +179,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.cfg, q, k, v, out, lse, dout, dlse)
-        return dq, dk, dv, None
+        with torch.no_grad():
+            grads = _ring_backward(ctx.cfg, q, k, v, out, lse, dout, dlse)
+        return *once_differentiable("ring_attention", grads, (q, k, v)), None
 
 
 def ring_attention(

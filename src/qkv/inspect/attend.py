@@ -9,19 +9,26 @@ running the real all-MiniLM-L6-v2 through qkv's transformers backend (`model_att
 Subword tokens are merged into words the way Clark et al. (2019, "What does BERT look at?")
 do: attention *to* a word is the sum over its pieces (so rows still sum to 1) and attention
 *from* a word is the mean over its pieces. Special tokens ([CLS], [SEP]) are kept as words.
+
+Text the model's vocabulary cannot spell (Chinese for all-MiniLM-L6-v2, emoji) becomes its
+unknown token `[UNK]`. Such a word is a word like any other here, labelled with what it was
+(`[UNK](猫)`), and `summary` says plainly which script the model does not read.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 EXAMPLE = "The cat sat on the mat because it was tired"
 MINILM_HINT = "pip install 'qkv[minilm]'"
+UNKNOWN = ("[UNK]", "<unk>")  # the token a vocabulary uses for what it cannot spell
+SCRIPTS = {"CJK": "Chinese characters", "HIRAGANA": "Japanese kana", "KATAKANA": "Japanese kana"}
 
 
 class AttendError(ValueError):
@@ -41,6 +48,7 @@ class AttentionMap:
     weights: torch.Tensor  # (L, H, W, W) float64, rows sum to 1
     text: str = ""
     model: str = ""
+    sources: tuple[str, ...] = ()  # the text each word came from, where known ("" for [CLS])
 
     @property
     def layers(self) -> int:
@@ -88,12 +96,27 @@ class AttentionMap:
         return cls(words, from_words, text=text, model=model)
 
     def index(self, word: str) -> int:
-        """Position of a word (case-insensitive; the first occurrence)."""
-        lowered = [x.lower() for x in self.words]
-        if word.lower() not in lowered:
-            shown = " ".join(x for x in self.words if not _special(x))
-            raise AttendError(f"the word {word!r} is not in the text; its words are: {shown}")
-        return lowered.index(word.lower())
+        """Position of a word (case-insensitive; the first occurrence), by its label or by the
+        text it came from (so `猫` finds `[UNK](猫)`)."""
+        for names in (self.words, self.sources):
+            lowered = [x.lower() for x in names]
+            if word.lower() in lowered:
+                return lowered.index(word.lower())
+        shown = " ".join(x for x in self.words if not _special(x))
+        raise AttendError(f"the word {word!r} is not in the text; its words are: {shown}")
+
+    def rollout(self) -> torch.Tensor:
+        """Attention rollout through each layer, `(L, W, W)`: `[l][i]` is where word i draws
+        from after layers 0..l (heads averaged, `0.5·A + 0.5·I` multiplied over the layers;
+        see `qkv.inspect.rollout`). Computed on the word-level map; for a text whose words are
+        single tokens this is the token-level rollout."""
+        from .rollout import rollout
+
+        return rollout(self.weights)
+
+    def unknown(self) -> list[int]:
+        """Positions of the words the model could not read (its `[UNK]` token)."""
+        return [i for i, w in enumerate(self.words) if w.startswith(UNKNOWN)]
 
     def check(self, layer: int | None = None, head: int | None = None) -> None:
         if layer is not None and not 0 <= layer < self.layers:
@@ -154,7 +177,8 @@ class AttentionMap:
         ]
 
     def to_dict(self, digits: int = 6) -> dict[str, object]:
-        """JSON-ready: words, shape and the full `weights[layer][head][from][to]`."""
+        """JSON-ready: words, shape, the full `weights[layer][head][from][to]` and the
+        attention `rollout[layer][from][to]` through each layer."""
         return {
             "text": self.text,
             "model": self.model,
@@ -162,11 +186,32 @@ class AttentionMap:
             "layers": self.layers,
             "heads": self.heads,
             "weights": self.weights.round(decimals=digits).tolist(),
+            "rollout": self.rollout().round(decimals=digits).tolist(),
         }
 
 
 def _special(token: str) -> bool:
+    """[CLS], [SEP], <s>, ...: not words of the text. The unknown token is a word of the text."""
+    if token.startswith(UNKNOWN):
+        return False
     return (token.startswith("[") and token.endswith("]")) or token in ("<s>", "</s>")
+
+
+def _scripts(texts: Sequence[str]) -> str:
+    """The writing systems of `texts`, in words: "Chinese characters", "emoji and symbols"..."""
+    found: list[str] = []
+    for ch in "".join(texts):
+        cat = unicodedata.category(ch)
+        if cat[0] in "PZC":  # punctuation, spaces, controls say nothing about the script
+            continue
+        if cat == "So":
+            name = "emoji and symbols"
+        else:
+            first = unicodedata.name(ch, "").split(" ")[0]
+            name = SCRIPTS.get(first, first.title() + " script" if first else "")
+        if name and name not in found:
+            found.append(name)
+    return " or ".join(found) if found else "these characters"
 
 
 def _group(tokens: list[str], word_ids: list[int | None]) -> tuple[list[list[int]], list[str]]:
@@ -225,7 +270,9 @@ def model_attention(text: str, model=None, tokenizer=None, name: str = "") -> At
         raise AttendError("the text is empty; give a sentence, e.g. " + repr(EXAMPLE))
     if model is None:
         model, tokenizer, name = load_minilm()
-    enc = tokenizer(text, return_tensors="pt")
+    fast = getattr(tokenizer, "is_fast", False)
+    enc = tokenizer(text, return_tensors="pt", return_offsets_mapping=fast)
+    offsets = enc.pop("offset_mapping")[0].tolist() if fast else None
     n, limit = enc["input_ids"].shape[1], getattr(model.config, "max_position_embeddings", None)
     if limit is not None and n > limit:
         raise AttendError(f"the text is {n} tokens long; the model reads at most {limit}")
@@ -233,7 +280,28 @@ def model_attention(text: str, model=None, tokenizer=None, name: str = "") -> At
         out = model(**enc, output_attentions=True)
     tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0])
     word_ids = enc.word_ids(0) if hasattr(enc, "word_ids") else None
-    return AttentionMap.from_weights(out.attentions, tokens, word_ids, text=text, model=name)
+    amap = AttentionMap.from_weights(out.attentions, tokens, word_ids, text=text, model=name)
+    if offsets is None:
+        return amap
+    return _with_sources(amap, text, offsets, word_ids or list(range(len(tokens))))
+
+
+def _with_sources(
+    amap: AttentionMap, text: str, offsets: list[list[int]], word_ids: Sequence[int | None]
+) -> AttentionMap:
+    """The map with each word's source text, and unknown words labelled `[UNK](source)`."""
+    spans: dict[int, list[int]] = {}  # merged word → [start, end] in the text
+    groups, _ = _group([str(i) for i in range(len(word_ids))], list(word_ids))
+    for g, members in enumerate(groups):
+        starts = [offsets[t][0] for t in members]
+        ends = [offsets[t][1] for t in members]
+        spans[g] = [min(starts), max(ends)]
+    sources = tuple(text[a:b] for a, b in (spans[g] for g in range(len(groups))))
+    words = [
+        f"{w}({src})" if w in UNKNOWN and src else w
+        for w, src in zip(amap.words, sources, strict=True)
+    ]
+    return replace(amap, words=words, sources=sources)
 
 
 def default_word(amap: AttentionMap) -> str:
@@ -260,22 +328,67 @@ def summary(
     lines.append(f'Where does "{amap.words[i]}" (word {i}) look?')
     if layer is not None:
         heads = [head] if head is not None else list(range(amap.heads))
-        width = max(len(w) for w in amap.words)
-        lines.append(f"  {'word':<{width}}" + "".join(f"  L{layer} H{h:<3}" for h in heads))
+        width = max(_cols(w) for w in amap.words)
+        lines.append(f"  {_pad('word', width)}" + "".join(f"  L{layer} H{h:<3}" for h in heads))
         for j, target in enumerate(amap.words):
             cells = "".join(f"{amap.weights[layer, h, i, j].item():9.3f}" for h in heads)
-            lines.append(f"  {target:<{width}}{cells}")
-        return "\n".join(lines)
-    lines.append("  the head that looks at each word hardest:")
+            lines.append(f"  {_pad(target, width)}{cells}")
+        return "\n".join(lines + unknown_note(amap))
+    lines.append(
+        "  the head that looks at each word hardest (and the rollout after all layers, below):"
+    )
     best = amap.strongest_heads(i)
-    width = max((len(k.split(":", 1)[1]) for k in best), default=4)
+    final = amap.rollout()[-1, i]  # (W,) where word i draws from after all layers
+    width = max((_cols(k.split(":", 1)[1]) for k in best), default=4)
     for key, hw in best.items():
-        target = key.split(":", 1)[1]
+        j, target = key.split(":", 1)
         bar = "█" * round(20 * hw.weight)
         lines.append(
-            f"    {target:<{width}}  layer {hw.layer} head {hw.head:<2}  {hw.weight:.3f} {bar}"
+            f"    {_pad(target, width)}  layer {hw.layer} head {hw.head:<2}  {hw.weight:.3f} "
+            f"{bar:<20}  rollout {final[int(j)].item():.3f}"
         )
     lines.append("  the most focused heads (their strongest link to another word):")
     for hw, target in amap.focused_heads(i, 5):
-        lines.append(f"    layer {hw.layer} head {hw.head:<2} → {target:<{width}}  {hw.weight:.3f}")
-    return "\n".join(lines)
+        target = _pad(target, width)
+        lines.append(f"    layer {hw.layer} head {hw.head:<2} → {target}  {hw.weight:.3f}")
+    return "\n".join(lines + rollout_lines(amap, i) + unknown_note(amap))
+
+
+def rollout_lines(amap: AttentionMap, i: int, k: int = 6) -> list[str]:
+    """Where word i draws from after all layers (attention rollout): its k largest sources."""
+    final = amap.rollout()[-1, i]  # (W,)
+    width = max(_cols(w) for w in amap.words)
+    lines = [
+        f'  where "{amap.words[i]}" draws from after all {amap.layers} layers (attention '
+        "rollout: heads averaged, 0.5·A + 0.5·I multiplied over the layers):"
+    ]
+    for j in final.argsort(descending=True, stable=True)[:k].tolist():
+        bar = "█" * round(20 * final[j].item())
+        lines.append(f"    {_pad(amap.words[j], width)}  {final[j].item():.3f} {bar}")
+    return lines
+
+
+def _cols(text: str) -> int:
+    """Columns `text` takes in a terminal: wide (CJK, emoji) characters take two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _pad(text: str, width: int) -> str:
+    return text + " " * max(width - _cols(text), 0)
+
+
+def unknown_note(amap: AttentionMap) -> list[str]:
+    """Lines that say which words the model could not read, and why it matters (or none)."""
+    unknown = amap.unknown()
+    if not unknown:
+        return []
+    real = [w for w in amap.words if not _special(w)]
+    model = amap.model.split("/")[-1] or "the model"
+    shown = [amap.sources[j] if amap.sources else amap.words[j] for j in unknown]
+    script = _scripts(shown) if amap.sources else "some of this text"
+    return [
+        f"note: {model} does not read {script}: {len(unknown)} of the {len(real)} words "
+        f"became [UNK], the one token it has for text it cannot spell "
+        f"({' '.join(shown)}).",
+        "  Their weights say where the model looks, not what those words mean.",
+    ]

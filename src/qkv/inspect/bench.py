@@ -23,7 +23,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -167,39 +167,58 @@ def measure(
     """Time and peak memory of each method at each N; returns one record per (method, pass, N):
     `{"method", "pass", "n", "time_s", "peak_mib", "note"}` (time and memory None when skipped,
     with the reason in `note`)."""
+    return list(iter_measure(sizes, methods, passes, progress=progress, seed=seed))
+
+
+def iter_measure(
+    sizes: Sizes = QUICK,
+    methods: Sequence[str] = METHODS,
+    passes: Sequence[str] = PASSES,
+    *,
+    progress: bool | Callable[[Iterable], Iterable] = True,
+    seed: int = 0,
+) -> Iterator[dict]:
+    """`measure` one record at a time, each yielded as soon as it is measured, so that a caller
+    interrupted (Ctrl-C) still holds every finished record."""
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"method {m!r} is unknown; expected one of {', '.join(METHODS)}")
     plan = [(n, m, p) for n in sizes.ns for p in passes for m in methods]
     steps = _progress(plan, progress)
-    records = []
     free = available_mib()
-    for n, method, pas in steps:
-        need = estimate_mib(method, pas, n, sizes.heads, sizes.dim)
-        rec = {"method": method, "pass": pas, "n": n, "time_s": None, "peak_mib": None, "note": ""}
-        records.append(rec)
-        if free is not None and need > 0.5 * free:
-            rec["note"] = f"skipped: needs about {need:,.0f} MiB, {free:,.0f} MiB available"
-            continue
-        g = torch.Generator().manual_seed(seed)
-        shape = (1, sizes.heads, n, sizes.dim)
-        grad = pas != "forward"
-        q, k, v = (torch.randn(shape, generator=g).requires_grad_(grad) for _ in range(3))
-        run = _runner(method, pas, q, k, v, sizes.window)
-        run()  # warm-up
-        times = []
-        for _ in range(sizes.repeats):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        release_freed_memory()
-        base = reset_peak_rss()
+    try:
+        for n, method, pas in steps:
+            yield _measure_one(sizes, method, pas, n, free, seed)
+    finally:
+        close = getattr(steps, "close", None)
+        if close is not None:  # the progress bar gives its line back, also after Ctrl-C
+            close()
+
+
+def _measure_one(sizes: Sizes, method: str, pas: str, n: int, free: float | None, seed: int):
+    need = estimate_mib(method, pas, n, sizes.heads, sizes.dim)
+    rec = {"method": method, "pass": pas, "n": n, "time_s": None, "peak_mib": None, "note": ""}
+    if free is not None and need > 0.5 * free:
+        rec["note"] = f"skipped: needs about {need:,.0f} MiB, {free:,.0f} MiB available"
+        return rec
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, sizes.heads, n, sizes.dim)
+    grad = pas != "forward"
+    q, k, v = (torch.randn(shape, generator=g).requires_grad_(grad) for _ in range(3))
+    run = _runner(method, pas, q, k, v, sizes.window)
+    run()  # warm-up
+    times = []
+    for _ in range(sizes.repeats):
+        t0 = time.perf_counter()
         run()
-        peak = peak_rss_mib()
-        rec["time_s"] = min(times)
-        rec["peak_mib"] = None if base is None or peak is None else max(peak - base, 0.0)
-        del q, k, v, run
-    return records
+        times.append(time.perf_counter() - t0)
+    release_freed_memory()
+    base = reset_peak_rss()
+    run()
+    peak = peak_rss_mib()
+    rec["time_s"] = min(times)
+    rec["peak_mib"] = None if base is None or peak is None else max(peak - base, 0.0)
+    return rec
 
 
 def _progress(plan: list, progress: bool | Callable[[Iterable], Iterable]) -> Iterable:
@@ -214,12 +233,15 @@ def _progress(plan: list, progress: bool | Callable[[Iterable], Iterable]) -> It
     return tqdm(plan, desc="qkv bench", unit="run", file=sys.stderr, leave=False)
 
 
-def _plain_progress(plan: list) -> Iterable:
-    for i, item in enumerate(plan, 1):
-        n, method, pas = item
-        print(f"\r[{i}/{len(plan)}] N={n} {method} {pas}   ", end="", file=sys.stderr, flush=True)
-        yield item
-    print(file=sys.stderr)
+def _plain_progress(plan: list) -> Iterator:
+    try:
+        for i, item in enumerate(plan, 1):
+            n, method, pas = item
+            line = f"\r[{i}/{len(plan)}] N={n} {method} {pas}   "
+            print(line, end="", file=sys.stderr, flush=True)
+            yield item
+    finally:
+        print(file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- analysis
@@ -244,9 +266,11 @@ def slopes(records: Sequence[dict], metric: str = "time_s", last: int = 3) -> di
     return out
 
 
-def report(records: Sequence[dict], sizes: Sizes) -> dict[str, object]:
-    """Everything a run measured, JSON-ready: the sizes, the machine, the records, the slopes."""
+def report(records: Sequence[dict], sizes: Sizes, complete: bool = True) -> dict[str, object]:
+    """Everything a run measured, JSON-ready: the sizes, the machine, the records, the slopes;
+    `complete` is False when the run was interrupted before its last record."""
     return {
+        "complete": complete,
         "sizes": {**asdict(sizes), "batch": 1, "dtype": "float32"},
         "machine": {
             "platform": platform.platform(),
@@ -275,7 +299,10 @@ def table(records: Sequence[dict]) -> str:
         for n in dict.fromkeys(r["n"] for r in mine):
             cells = []
             for m in methods:
-                r = next(x for x in mine if x["n"] == n and x["method"] == m)
+                r = next((x for x in mine if x["n"] == n and x["method"] == m), None)
+                if r is None:  # not measured (the run was interrupted)
+                    cells.append(f"{'—':>21}")
+                    continue
                 if r["time_s"] is None:
                     cells.append(f"{'skipped':>21}")
                     continue
@@ -283,7 +310,9 @@ def table(records: Sequence[dict]) -> str:
                 cells.append(f"{_seconds(r['time_s']):>12}{peak:>9}")
             lines.append(f"{n:<17}" + "".join(cells))
         fitted = slopes(mine)
-        lines.append(f"{'slope (time)':<17}" + "".join(f"{fitted[m]:>21.2f}" for m in methods))
+        lines.append(
+            f"{'slope (time)':<17}" + "".join(f"{fitted.get(m, math.nan):>21.2f}" for m in methods)
+        )
         lines.append("")
     notes = sorted(
         {f"{r['method']} {r['pass']} N={r['n']}: {r['note']}" for r in records if r["note"]}

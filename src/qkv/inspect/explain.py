@@ -53,6 +53,12 @@ TEXT = {
     },
 }
 COST_SIZES = (512, 2048, 1_048_576)
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+BYTES_PER_SHOWN = 64  # a float64 entry, its Python float while printed, and its text
+
+
+class ExplainError(ValueError):
+    """A walk-through this machine cannot hold, or a seed torch cannot take."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +87,39 @@ def walkthrough(
     for name, val in (("n", n), ("d", d), ("d_k", d_k)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ExplainError(f"the seed must be an int in 0..2**64-1, got {seed!r}")
+    _check_memory(n, d, d_k)
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, d, generator=g, dtype=torch.float64)
     W_q, W_k, W_v = (torch.randn(d, d_k, generator=g, dtype=torch.float64) for _ in range(3))
     Q, K, V = X @ W_q, X @ W_k, X @ W_v
     st = reference.steps(Q, K, V, causal=causal)
     return Walkthrough(X, W_q, W_k, W_v, Q, K, V, st.S, st.S_scaled, st.A, st.out, causal, seed)
+
+
+def memory_needed(n: int, d: int, d_k: int) -> int:
+    """Bytes a walk-through of this size needs to compute and print (a generous estimate).
+
+    Every shown matrix (X, Q, K, V, S, S/√d_k, A, Out) costs its float64 entries, their Python
+    floats while printed and their text; the softmax adds two N×N temporaries."""
+    shown = n * d + 4 * n * d_k + 3 * n * n
+    return BYTES_PER_SHOWN * shown + 8 * (3 * d * d_k + 2 * n * n)
+
+
+def _check_memory(n: int, d: int, d_k: int) -> None:
+    from .bench import available_mib
+
+    free = available_mib()
+    need = memory_needed(n, d, d_k)
+    if free is None or need <= 0.5 * free * 2**20:
+        return
+    raise ExplainError(
+        f"a walk-through with N={n}, d={d}, d_k={d_k} needs about {_human(need, 'B')} "
+        f"(each N×N matrix holds {_human(8 * n * n, 'B')} in float64, and every matrix is "
+        f"printed), but only {_human(free * 2**20, 'B')} of memory is available; the walk-through "
+        f"is meant for a small N such as --n 8 (its last lines give the cost at large N)"
+    )
 
 
 def cost(n: int, d_k: int) -> tuple[int, int]:

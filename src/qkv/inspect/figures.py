@@ -2,20 +2,53 @@
 
 Each function returns a `matplotlib.figure.Figure` (a notebook shows it) and, given `path`,
 also saves it as a PNG. No pyplot state is touched, so this works headless and in notebooks.
+
+User text (the sentence, its words) is never markup: every artist that shows it is drawn with
+`parse_math=False`, so "$x^$" is shown as typed instead of crashing matplotlib's math parser,
+and with a CJK font after the default one where such a font is installed.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from .attend import AttentionMap
 
 VIZ_HINT = "pip install 'qkv[viz]'"
+CJK_FONTS = (
+    "Noto Sans CJK SC",
+    "Noto Sans SC",
+    "WenQuanYi Zen Hei",
+    "Source Han Sans SC",
+    "SimHei",
+    "Microsoft YaHei",
+    "PingFang SC",
+    "Heiti SC",
+)
 
 
-def _figure(width: float, height: float):
+@functools.cache
+def _families() -> tuple[str, ...]:
+    """The default sans-serif font, then the first installed CJK font (matplotlib falls back
+    glyph by glyph along this list)."""
+    from matplotlib import font_manager, rcParams
+
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    cjk = [name for name in CJK_FONTS if name in installed][:1]
+    return (rcParams["font.sans-serif"][0], *cjk)
+
+
+def plain() -> dict[str, object]:
+    """Text properties for user text: never parsed as math, CJK glyphs where a font has them."""
+    return {"parse_math": False, "fontfamily": list(_families())}
+
+
+def new_figure(width: float, height: float):
+    """A headless matplotlib Figure of `width` × `height` inches (constrained layout)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -23,9 +56,12 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _save(fig, path: str | Path | None, dpi: int = 120):
+def save(fig, path: str | Path | None, dpi: int = 120):
+    """Save `fig` to `path` (the format from the extension) when a path is given; return it."""
     if path is not None:
-        fig.savefig(path, dpi=dpi)
+        with warnings.catch_warnings():  # no CJK font installed: boxes, not a warning per glyph
+            warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+            fig.savefig(path, dpi=dpi)
     return fig
 
 
@@ -33,7 +69,7 @@ def attention_grid(amap: AttentionMap, path: str | Path | None = None):
     """Every layer × head as a heatmap (rows: looking word, columns: attended word)."""
     L, H, W = amap.layers, amap.heads, len(amap.words)
     cell = max(1.1, min(2.2, 0.14 * W))
-    fig = _figure(cell * H + 1.2, cell * L + 0.8)
+    fig = new_figure(cell * H + 1.2, cell * L + 0.8)
     axes = fig.subplots(L, H, squeeze=False, sharex=True, sharey=True)
     image = None
     ticks = range(W) if W <= 40 else []
@@ -47,11 +83,12 @@ def attention_grid(amap: AttentionMap, path: str | Path | None = None):
             ax.set_yticks(list(ticks))
             ax.tick_params(length=0, labelsize=fontsize)
             if ticks:
-                ax.set_xticklabels(amap.words, rotation=90)
-                ax.set_yticklabels(amap.words)
+                ax.set_xticklabels(amap.words, rotation=90, **plain())
+                ax.set_yticklabels(amap.words, **plain())
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    fig.suptitle(f"{amap.model or 'attention'}: {amap.text!r}" if amap.text else amap.model)
-    return _save(fig, path)
+    title = f"{amap.model or 'attention'}: {amap.text!r}" if amap.text else amap.model
+    fig.suptitle(title, **plain())
+    return save(fig, path)
 
 
 def token_heads(amap: AttentionMap, word: str | int, path: str | Path | None = None):
@@ -59,17 +96,48 @@ def token_heads(amap: AttentionMap, word: str | int, path: str | Path | None = N
     i = word if isinstance(word, int) else amap.index(word)
     L, H, W = amap.layers, amap.heads, len(amap.words)
     rows = amap.weights[:, :, i, :].reshape(L * H, W).numpy()
-    fig = _figure(max(4.0, 0.45 * W + 2.0), max(3.0, 0.12 * L * H + 1.5))
+    fig = new_figure(max(4.0, 0.45 * W + 2.0), max(3.0, 0.12 * L * H + 1.5))
     ax = fig.subplots()
     image = ax.imshow(rows, vmin=0, vmax=1, cmap="magma", aspect="auto")
-    ax.set_xticks(range(W), amap.words, rotation=60, ha="right", fontsize=8)
+    ax.set_xticks(range(W), amap.words, rotation=60, ha="right", fontsize=8, **plain())
     ax.set_yticks([layer * H for layer in range(L)], [f"layer {layer}" for layer in range(L)])
     for layer in range(1, L):
         ax.axhline(layer * H - 0.5, color="white", linewidth=0.6)
     ax.set_ylabel(f"head (0..{H - 1} within each layer)")
-    ax.set_title(f"where {amap.words[i]!r} looks, every layer and head")
+    ax.set_title(f"where {amap.words[i]!r} looks, every layer and head", **plain())
     fig.colorbar(image, ax=ax, label="attention weight")
-    return _save(fig, path)
+    return save(fig, path)
+
+
+def rollout_figure(amap: AttentionMap, word: str | int, path: str | Path | None = None):
+    """Where one word looks in each layer (heads averaged) beside where it draws from after
+    each layer (attention rollout): rows are layers, columns the words."""
+    i = word if isinstance(word, int) else amap.index(word)
+    L, W = amap.layers, len(amap.words)
+    raw = amap.weights[:, :, i, :].mean(1).numpy()  # (L, W)
+    rolled = amap.rollout()[:, i, :].numpy()  # (L, W)
+    fig = new_figure(max(7.0, 0.9 * W + 2.5), max(3.0, 0.35 * L + 2.2))
+    axes = fig.subplots(1, 2, sharey=True)
+    titles = (
+        f"where {amap.words[i]!r} looks in each layer (heads averaged)",
+        f"where {amap.words[i]!r} draws from after layers 0..l (rollout)",
+    )
+    image = None
+    for ax, rows, title in zip(axes, (raw, rolled), titles, strict=True):
+        image = ax.imshow(rows, vmin=0, vmax=1, cmap="magma", aspect="auto")
+        ax.set_xticks(range(W), amap.words, rotation=60, ha="right", fontsize=8, **plain())
+        ax.set_title(title, fontsize=9, **plain())
+        for layer in range(L):
+            for j in range(W):
+                value = rows[layer, j]
+                if value >= 0.1:
+                    color = "black" if value > 0.6 else "white"
+                    ax.text(
+                        j, layer, f"{value:.2f}", ha="center", va="center", fontsize=6, color=color
+                    )
+    axes[0].set_yticks(range(L), [f"layer {layer}" for layer in range(L)])
+    fig.colorbar(image, ax=axes, label="weight")
+    return save(fig, path)
 
 
 def cost_plot(records: Sequence[dict], path: str | Path | None = None):
@@ -79,7 +147,7 @@ def cost_plot(records: Sequence[dict], path: str | Path | None = None):
     from .bench import slopes
 
     passes = [p for p in ("forward", "forward+backward") if any(r["pass"] == p for r in records)]
-    fig = _figure(5.2 * len(passes), 8.0)
+    fig = new_figure(5.2 * len(passes), 8.0)
     axes = fig.subplots(2, len(passes), squeeze=False)
     for col, pas in enumerate(passes):
         mine = [r for r in records if r["pass"] == pas]
@@ -100,4 +168,4 @@ def cost_plot(records: Sequence[dict], path: str | Path | None = None):
             ax.legend(fontsize=8)
             ax.set_title(f"{pas}: {label.split(' (')[0]}")
     fig.suptitle("The cost of attention: dense grows as N², a sliding window as N")
-    return _save(fig, path)
+    return save(fig, path)

@@ -1,9 +1,11 @@
 """A self-contained HTML viewer of an `AttentionMap`: one file, data embedded, no network.
 
-Pick a layer and a head (or the mean of a layer's heads); hover or click a word to see where it
-looks as links whose width and opacity follow the weight, with its ten strongest weights listed;
-an overview shows every head's matrix, and clicking one selects it. Long inputs draw only each
-word's top-k links (5 by default above 40 words) so the page stays responsive.
+Pick a layer and a head (or the mean of a layer's heads, or the attention rollout through that
+layer: where information has ended up after it); hover or click a word to see where it looks as
+links whose width and opacity follow the weight, with its ten strongest weights listed; an
+overview shows every head's matrix and each layer's rollout, and clicking one selects it. Long
+inputs draw only each word's top-k links (5 by default above 40 words) so the page stays
+responsive.
 
 Weights are embedded as 16-bit fixed point (weight · 65535, base64): error ≤ 8·10⁻⁶, well below
 the three decimals shown, and a 128-word map of a 6-layer, 12-head model stays ~3 MB.
@@ -23,21 +25,42 @@ from .attend import AttentionMap
 PLACEHOLDER = "/*QKV_DATA*/"
 
 
-def viewer_html(amap: AttentionMap) -> str:
-    """The viewer page for `amap` as one HTML string."""
-    q = (amap.weights.clamp(0, 1) * 65535).round().to(torch.int32).flatten()
+def _u16(t: torch.Tensor) -> str:
+    """Weights in [0, 1] as little-endian 16-bit fixed point (· 65535), base64."""
+    q = (t.clamp(0, 1) * 65535).round().to(torch.int32).flatten()
     little_endian = torch.stack([q & 0xFF, q >> 8], dim=1).flatten().to(torch.uint8)
+    return base64.b64encode(bytes(little_endian.tolist())).decode()
+
+
+def viewer_html(amap: AttentionMap) -> str:
+    """The viewer page for `amap` as one HTML string: weights `(L, H, W, W)` and the attention
+    rollout through each layer `(L, W, W)` embedded."""
     data = {
         "text": amap.text,
         "model": amap.model,
         "words": amap.words,
         "layers": amap.layers,
         "heads": amap.heads,
-        "weights_u16": base64.b64encode(bytes(little_endian.tolist())).decode(),
+        "weights_u16": _u16(amap.weights),
+        "rollout_u16": _u16(amap.rollout()),
     }
     template = resources.files("qkv.inspect").joinpath("viewer.html").read_text(encoding="utf-8")
-    # "</" cannot appear inside a <script> block; JSON allows the escaped form "<\/".
-    return template.replace(PLACEHOLDER, json.dumps(data).replace("</", "<\\/"))
+    return template.replace(PLACEHOLDER, script_json(data))
+
+
+def script_json(data: object) -> str:
+    """`data` as JSON that no string in it can break out of a `<script>` block with.
+
+    Inside a script element the HTML parser still looks for `</script`, and `<!--` followed by
+    `<script` switches it to a state where the real `</script>` no longer ends the block (the
+    page then stays blank). Every `<`, `>` and `&` is therefore written as its JSON escape
+    (`\\u003c`...), which JavaScript reads back as the same character (json.dumps escapes every
+    non-ASCII one, U+2028 included). JSON has these characters only inside strings, so the
+    escapes never change the data."""
+    text = json.dumps(data)  # ensure_ascii: every other non-ASCII character is escaped already
+    for ch, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026")):
+        text = text.replace(ch, escape)
+    return text
 
 
 def write_viewer(amap: AttentionMap, path: str | Path) -> Path:

@@ -4,6 +4,7 @@
     qkv.integrations.hf.register()
     model = AutoModel.from_pretrained(name, attn_implementation="qkv")
     model.set_attn_implementation("qkv")          # or switch a loaded model
+    print(qkv.integrations.hf.verify(model, inputs))   # does qkv run in every attention layer?
 
 transformers looks a backend up by name in two registries, and `register()` fills both:
 
@@ -32,6 +33,7 @@ predicates (`causal_mask_function`, `bidirectional_mask_function`, `sliding_wind
 | bidirectional (BERT), no padding              | `None`                                      |
 | bidirectional + padding                       | bool `(B, 1, 1, Nk)` padding-only mask      |
 | static cache (key slots ahead of the queries) | dense bool `(B, 1, Nq, Nk)`                 |
+| generate()'s pre-build for a static cache     | dense bool `(B, 1, Nq, Nk)`                 |
 | anything else (packed, chunked, custom)       | dense bool `(B, 1, Nq, Nk)` (fallback)      |
 
 A padding-only mask is an O(B·Nk) tensor rather than a `Mask`, so that `qkv.attention`'s
@@ -40,17 +42,58 @@ kernel, which skips the tiles a causal or sliding-window mask leaves empty. qkv'
 bottom-right aligned (query row i has position `i + Nk − Nq`), which is where every dynamic
 cache puts the queries (`q_offset − kv_offset = Nk − Nq`, also when a sliding-window cache has
 dropped old keys). Static caches break that (their key slots run ahead of the queries) and are
-given a dense tensor: `generate()` pre-builds their mask for `torch.compile` and handles it as
-a tensor (`.contiguous()`, `.ndim`), which a `Mask` is not; for decoding it is `(B, 1, 1, Nk)`.
-Each recognised pattern is also checked against `mask_function` itself on a few query rows, and
-a disagreement falls back to the dense mask with a warning.
+given a dense tensor. Each recognised pattern is also checked against `mask_function` itself on
+a few query rows, and a disagreement falls back to the dense mask with a warning.
+
+Who reads the mask. A model's forward hands make_mask's result to its attention layers, that is
+to `attention_forward`, which takes a `Mask`. One caller is different: for a compileable
+(static) cache, generate() pre-builds the masks before each step (`create_masks_for_generate`)
+and passes them back into the model as its `attention_mask` input; the model's `create_*_mask`
+then uses a 4-D tensor as it is and reads `.ndim` of anything else. make_mask's arguments are
+the same in both calls (a static sliding-window cache reports the sizes a dynamic one does), so
+make_mask looks for `create_masks_for_generate` among its callers and there returns the dense
+tensor. Models whose layers never call the attention interface read the mask themselves: for
+them make_mask returns the float mask transformers builds for "eager" (see Families).
+
+`output_attentions=True`. transformers records attention weights with hooks on the attention
+layers, and decides once per model forward whether to record (its output collector). Llama and
+most families also pass the flag to the attention function; GPT-2, OPT and SigLIP do not, so
+`attention_forward` asks the collector, and computes the weights (with qkv's `reference`
+backend) exactly when transformers is going to record them.
+
+Families. qkv runs where a layer calls transformers' attention interface; `verify(model,
+inputs)` counts qkv's calls per attention layer on one forward and says where it does not run
+(`verify(model)` reads the code and configs instead; `verify(ModelClass)` checks a family before
+loading). Tested against "eager" on tiny random configs (tests/integrations/test_hf_zoo.py):
+
+| family                                           | qkv runs | tested                           |
+| ---                                              | ---      | ---                              |
+| BERT, ModernBERT (local layers: a window)        | yes      | forward, padding, weights        |
+| GPT-2, GPT-NeoX, OPT, Llama, Qwen3, Gemma        | yes      | + generate (dynamic and static)  |
+| Mistral, Mixtral, Phi3 (every layer sliding)     | yes      | + generate, prompt > window      |
+| Qwen2, Gemma 2, Gemma 3 text, gpt-oss (mixed)    | yes      | + generate (softcap, sinks)      |
+| T5, BART, Whisper                                | yes      | + generate (cross-attention)     |
+| ViT, CLIP, SigLIP, Qwen2-VL vision tower         | yes [1]  | forward, weights                 |
+| BLOOM                                            | no [2]   | runs as "eager", with a warning  |
+| Falcon                                           | no [3]   | `verify(FalconForCausalLM)`      |
+
+[1] SigLIP's vision pooling head is a `torch.nn.MultiheadAttention` (one learned query), which
+    stays torch's; `verify` lists it.
+[2] BLOOM computes attention (with ALiBi) in its own code. Loaded with "qkv" it gets the mask
+    it reads under "eager" and a RuntimeWarning on its first forward; `set_attn_implementation
+    ("qkv")` is refused by transformers with a log line and the model stays "eager".
+[3] Falcon picks its attention class by name: building it with "qkv" raises transformers'
+    `KeyError: 'qkv'` before any qkv code runs.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -59,12 +102,22 @@ import qkv
 
 from .. import masks, scores
 from ..masks import Mask
+from .hf_verify import LayerReport, Report, note_call, routes_attention, verify
 
 NAME = "qkv"
 _INSTALL_HINT = "pip install 'qkv[hf]'"
 _warned: set[str] = set()
 
-__all__ = ["NAME", "attention_forward", "make_mask", "register"]
+__all__ = [
+    "NAME",
+    "LayerReport",
+    "Report",
+    "attention_forward",
+    "make_mask",
+    "register",
+    "routes_attention",
+    "verify",
+]
 
 
 def _import(module: str) -> ModuleType:
@@ -84,8 +137,19 @@ def register(name: str = NAME) -> str:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     transformers = _import("transformers")
     mu = _import("transformers.masking_utils")
-    transformers.AttentionInterface.register(name, attention_forward)
-    mu.AttentionMaskInterface.register(name, make_mask)
+    for interface, function in (
+        (transformers.AttentionInterface, attention_forward),
+        (mu.AttentionMaskInterface, make_mask),
+    ):
+        interface.register(name, function)
+    if _output_collector() is None:
+        _warn_once(
+            "collector",
+            f"qkv: transformers {transformers.__version__} has no output collector where qkv "
+            "looks for it (transformers.utils.output_capturing._active_collector); "
+            "output_attentions=True then reaches qkv only in models that pass the flag on to "
+            "their attention function, and GPT-2, OPT or SigLIP would return no weights",
+        )
     return name
 
 
@@ -112,59 +176,129 @@ def make_mask(
 
     Returns None (no mask: the attention layer's `is_causal` decides, as for SDPA), a
     `qkv.masks.Mask`, a bool `(B, 1, 1, Nk)` padding-only mask, or, for patterns it cannot
-    express that way, a dense bool `(B, 1, Nq, Nk)` mask.
+    express that way, a dense bool `(B, 1, Nq, Nk)` mask. Two callers get a tensor instead of a
+    `Mask`: generate()'s pre-build for static caches (a dense bool mask), and a model family
+    that never calls qkv (its "eager" float mask, with a warning).
     """
     mu = _import("transformers.masking_utils")
-    if mask_function is None:
-        mask_function = mu.causal_mask_function
-    q_off, kv_off = int(q_offset), int(kv_offset)  # static caches pass a 0-d tensor
+    call = _MaskCall(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mu.causal_mask_function if mask_function is None else mask_function,
+        attention_mask=attention_mask,
+        use_vmap=use_vmap,
+        device=device,
+    )
+    config = kwargs.get("config")
+    if config is not None and routes_attention(config) is False:
+        # The model's own attention code reads this mask (qkv never runs there): give it the
+        # mask it reads under "eager", and say so.
+        family = type(config).__name__.removesuffix("Config")
+        _warn_once(
+            f"family:{family}",
+            f"qkv: {family} models compute attention in their own code and never call "
+            "transformers' attention interface, so attn_implementation='qkv' does not run qkv "
+            "in them (their masks are built as for 'eager'); check a model with "
+            "qkv.integrations.hf.verify(model)",
+        )
+        return mu.eager_mask(**vars(call), **kwargs)
+    result = _translate(call, mu, allow_is_causal_skip, allow_is_bidirectional_skip)
+    if isinstance(result, Mask) and _prebuilt_for_generate():
+        # generate() hands this mask back to the model as its `attention_mask` input, which
+        # transformers reads as a tensor: the same mask, dense.
+        return call.dense(mu)
+    return result
 
-    def dense() -> torch.Tensor:
-        # The fallback: transformers' own construction, materialised (B, 1, Nq, Nk).
+
+@dataclass(frozen=True)
+class _MaskCall:
+    """What transformers describes to a mask function (the arguments of `sdpa_mask`)."""
+
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: int | torch.Tensor  # position of the first query (a 0-d tensor: static cache)
+    kv_offset: int | torch.Tensor  # position of the first key
+    mask_function: Callable  # transformers' predicate (b, h, q_pos, kv_pos) -> bool
+    attention_mask: torch.Tensor | None  # the 2-D padding mask, True = a real token
+    use_vmap: bool
+    device: torch.device | str
+
+    def dense(self, mu: ModuleType) -> torch.Tensor:
+        """transformers' own construction, materialised: bool `(B, 1, Nq, Nk)`."""
         return mu.sdpa_mask(
-            batch_size=batch_size,
-            q_length=q_length,
-            kv_length=kv_length,
-            q_offset=q_offset,
-            kv_offset=kv_offset,
-            mask_function=mask_function,
-            attention_mask=attention_mask,
-            allow_is_causal_skip=False,
-            allow_is_bidirectional_skip=False,
-            use_vmap=use_vmap,
-            device=device,
+            **vars(self), allow_is_causal_skip=False, allow_is_bidirectional_skip=False
         )
 
+
+# generate()'s hook that pre-builds masks (the generic one in masking_utils, and the methods of
+# that name some models define); what it returns becomes the model's `attention_mask` input.
+_PREBUILD = "create_masks_for_generate"
+_PREBUILD_DEPTH = 16  # frames between make_mask and that hook: a few decorators and mask helpers
+
+
+def _prebuilt_for_generate() -> bool:
+    """Is this call part of generate()'s pre-build of masks for a compileable (static) cache?
+
+    Everywhere else a model hands make_mask's result straight to its attention layers, which
+    call qkv. generate() instead calls `create_masks_for_generate` before each step and feeds
+    the result back into the model as `attention_mask`; the model's `create_*_mask` then passes
+    a 4-D tensor through unchanged and reads `.ndim` of anything else. Nothing in make_mask's
+    arguments tells the two apart (a static sliding-window cache reports the same sizes as a
+    dynamic one), so the caller is looked up on the stack. generate() never compiles the
+    pre-build, so a compiled forward is not one (and is not traced through the stack walk)."""
+    if torch.compiler.is_compiling():
+        return False
+    frame = sys._getframe(2)
+    for _ in range(_PREBUILD_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _PREBUILD:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _translate(
+    call: _MaskCall, mu: ModuleType, allow_is_causal_skip: bool, allow_is_bidirectional_skip: bool
+) -> Mask | torch.Tensor | None:
+    """transformers' description in qkv terms (the table of the module docstring)."""
+    nq, nk, mask_function = call.q_length, call.kv_length, call.mask_function
+    attention_mask, device = call.attention_mask, call.device
     if attention_mask is not None and attention_mask.dim() != 2:
-        return dense()  # not the 2-D padding mask this function is documented to get
+        return call.dense(mu)  # not the 2-D padding mask this function is documented to get
     # transformers' query i has position q_off + i, key j position kv_off + j; qkv's query row
     # i has position i + Nk − Nq and key j position j. The two agree on q − kv (all that the
     # patterns below look at) exactly when the queries are the last Nq keys.
-    if isinstance(q_offset, torch.Tensor) or q_off - kv_off != kv_length - q_length:
-        return dense()  # a static cache (a tensor q_offset is its mark): see the docstring
+    q_off, kv_off = int(call.q_offset), int(call.kv_offset)
+    if isinstance(call.q_offset, torch.Tensor) or q_off - kv_off != nk - nq:
+        return call.dense(mu)  # a static cache (a tensor q_offset is its mark): see the docstring
     interval = _interval(mask_function, mu)
     if interval is None:
-        return dense()  # a predicate we do not know (packed sequences, chunks, custom)
-    structure, kind = _structure(interval, q_length, kv_length)
+        return call.dense(mu)  # a predicate we do not know (packed sequences, chunks, custom)
+    structure, kind = _structure(interval, nq, nk)
     if kind == "dense":
-        return dense()
-    if not _agrees(mask_function, structure, q_off, kv_off, q_length, kv_length, device):
+        return call.dense(mu)
+    if not _agrees(mask_function, structure, q_off, kv_off, nq, nk, device):
         _warn_once(
             repr(interval),
             f"qkv: transformers' mask function {getattr(mask_function, '__qualname__', '?')} "
             f"did not match the qkv mask {structure!r} built for it; using a dense mask",
         )
-        return dense()
+        return call.dense(mu)
 
-    valid = _padding(attention_mask, kv_off, kv_length)
+    valid = _padding(attention_mask, kv_off, nk)
     if valid is None:
-        causal_shape = kind == "causal" or (kind == "full" and q_length <= 1)
+        causal_shape = kind == "causal" or (kind == "full" and nq <= 1)
         if causal_shape and allow_is_causal_skip:
             return None  # the layer's is_causal (bottom-right in qkv) is exactly this
         if kind == "full" and interval[0] is None and allow_is_bidirectional_skip:
             return None  # bidirectional: the layer is not causal either (as for SDPA)
         if kind == "full":
-            return torch.ones(batch_size, 1, 1, kv_length, dtype=torch.bool, device=device)
+            return torch.ones(call.batch_size, 1, 1, nk, dtype=torch.bool, device=device)
         return structure
     if kind == "full":
         return valid[:, None, None, :]  # padding only: (B, 1, 1, Nk), and SDPA can run it
@@ -316,6 +450,7 @@ def attention_forward(
         `(out (B, Sq, H, Dv) contiguous, weights (B, H, Sq, Sk) or None)`; weights are computed
         (by qkv's `reference` backend) only when the model runs with `output_attentions=True`.
     """
+    note_call(module)
     cache = kwargs.get("cache")
     if cache is not None and "Paged" in type(cache).__name__:
         raise NotImplementedError(
@@ -357,6 +492,8 @@ def attention_forward(
         return_lse=s_aux is not None,
         return_weights=want_weights,
         score_mod=None if softcap is None else scores.softcap(float(softcap)),
+        # the model's own projections: a padded or unused position holds a finite value
+        finite_inputs=True,
     )
     parts = list(result) if isinstance(result, tuple) else [result]
     out = parts.pop(0)
@@ -373,10 +510,33 @@ def attention_forward(
 
 
 def _wants_weights(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Does the running model want this layer's attention weights?
+
+    transformers collects `output_attentions` with forward hooks on the attention layers, which
+    record what the attention function returns; it decides once per model forward (from the
+    call, else the config) and keeps the answer in its output collector. Some models pass the
+    flag on to the attention function as well, GPT-2, OPT and SigLIP do not, so the collector
+    is the answer; the flag and the config are read only outside a model's forward."""
+    collector = _output_collector()
+    collecting = None if collector is None else collector.get()
+    if collecting is not None:  # inside a model forward: what transformers will record
+        return any(key.endswith("attentions") for key in collecting)
     flag = kwargs.get("output_attentions")
     if flag is None:
         flag = getattr(getattr(module, "config", None), "output_attentions", False)
     return bool(flag)
+
+
+@functools.cache
+def _output_collector():
+    """transformers' per-forward record of the outputs asked for (a context variable whose
+    value maps "attentions", "hidden_states", ... to lists), or None if it is not found."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    collector = getattr(output_capturing, "_active_collector", None)
+    return collector if callable(getattr(collector, "get", None)) else None
 
 
 def _with_bias(

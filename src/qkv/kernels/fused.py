@@ -1,79 +1,44 @@
-"""Fused strips: the tiled backend's fast forward for structured masks on the CPU.
+"""Fused strips: the tiled backend's forward for structured masks on the CPU when no gradient
+will be taken, on torch's fused C++ flash kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=, scale=)`: grouped kv
+heads, any strides, lse in natural units). The op cannot skip keys, so this module hands it only
+the keys each group of query rows keeps:
 
-The tiled kernel (tiled.py) does the softmax arithmetic of every tile as separate eager PyTorch
-passes; for a sliding window that arithmetic, not the matrix products, is most of the forward's
-time. Torch ships a fused C++ CPU flash-attention kernel that takes an additive mask and returns
-the log-sum-exp::
+1. **Layout.** The plan's `qkv.layout.BlockLayout` for the backend's tiles.
+2. **Strips.** Rows of tiles merge into strips of at most `rows` query rows while the union of
+   their kept key tiles stays within `waste` times what they keep alone. A strip's *window* is
+   the concatenation of its kept key ranges (one range for a band, several for global columns).
+3. **Groups.** Strips with one contiguous window whose starts advance by a constant step (the
+   inside of a band) reach the op as `as_strided` views of q and k/v, no copy; other strips are
+   grouped by rows and a width bucket and gathered (batch folded into heads), padded columns
+   masked out. Groups are cut into batches of at most `budget` bytes, one op call each. Masks
+   are built per tile: FULL tiles cost nothing, the rule runs on PARTIAL tiles only, one mask is
+   broadcast when every strip of a batch shares it. Schedules and masks (within `mask_cache`
+   bytes) live in qkv's cache, held against the Mask weakly.
+4. **Wide strips** (window wider than `wide` keys: a global token's row) run alone.
 
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=, scale=)
-
-It accepts grouped kv heads (query head h reads kv head h // G), arbitrary strides, fp32, fp64,
-bf16 and fp16 (scores and softmax in fp32 for the low precisions), and its lse is in natural
-units (float32, or float64 for float64 inputs), as ours. What it cannot do is skip anything: it
-runs every key of its `k`. So this module hands it only the keys each group of queries keeps:
-
-1. **Layout.** `schedule.tile_kinds` classifies the `block_q × block_k` tiles of the backend
-   (from the Mask's tile bounds and the causal flag; never an N×N matrix).
-2. **Strips.** Rows of tiles are merged into strips of at most `rows` query rows (64 by
-   default; measured on 2 cores for a 256 window: 64 rows with a 576-key window ran the op in
-   ~160 ms at N=16384, 128 rows ~180 ms) while the union of their kept key tiles stays within
-   `waste` times what they keep alone (`schedule.strips`). A strip's *window* is the
-   concatenation of its kept key ranges: one contiguous range for a band, several for
-   Longformer's global columns + band or BigBird.
-3. **Groups.** Strips with one contiguous window group by (rows, exact width) and are split into
-   runs whose first rows and window starts advance by constant steps (the inside of a band):
-   such a run reaches the op as `as_strided` views of q and k/v, no copy. Other strips group by
-   rows and a width bucket (rounded up by at most 1/8) and are gathered with `index_select`
-   (the copy also folds batch into heads: `(strips, B·H, rows, D)` against
-   `(strips, B·Hkv, width, D)`); padded columns are masked out. Groups are cut into batches
-   within `budget` bytes of what they allocate (gathered copies, the op's output, the mask;
-   4 MiB: measured on 2 cores at N=16384, Longformer's forward took ~245 ms with batches of
-   2-4 MiB and 280-320 ms with 16-64 MiB, BigBird's was fastest at 4 MiB); each batch is ONE
-   call of the fused op. Masks are built per tile:
-   FULL tiles are 0 with no arithmetic, the rule is evaluated only on PARTIAL tiles (all of a
-   batch at once, as `(P, 1|H, rows, block_k)` blocks), and when every strip of a batch has the
-   same mask (a band) one `(1, 1|H, rows, width)` mask is broadcast (stride 0) over the strips;
-   a batch whose tiles are all FULL and unpadded passes no mask. The op wants an additive mask
-   of the query's dtype (it rejects a bool one).
-   The schedule and its masks are cached per (Mask object, shapes, dtype, tiles, settings) in a
-   small LRU (`_CACHE`, 8 entries, masks within `mask_cache` bytes each), like FlexAttention's
-   BlockMask: a training loop that reuses its Mask builds them once.
-4. **Wide strips** (window wider than `wide` keys: the rows of a global token, a dense prefix)
-   run alone; a contiguous window is passed as a view of k/v (no copy).
-
-Semantics fixed up around the op: a row with no allowed key gets out 0 (the op gives 0) and lse
-−inf (the op gives 0). Masks that depend on the batch element (padding, key_mask) or on the head
-when B > 1 run one batch element at a time, so the mask is never repeated B times.
-
-Backward: this module has none. The tiled backend's autograd Function runs `forward` here,
-saves q, k, v, out and lse only (O(N·d)) and runs its own backward (FlashAttention-2's
-recomputation from the saved lse), which is exact under the error-ratio rule of DESIGN.md §3
-and, measured, faster than the op's. The
-op's own backward (`aten._scaled_dot_product_flash_attention_for_cpu_backward`) is not used: in
-fp32 it breaks that rule on small masked problems (dQ up to ~4× the fp32 reference's error, dV
-up to ~6×), and run in fp64 to be exact it was ~2.9× slower than the loop for forward+backward.
-
-What stays on the tiled kernel (see `reason`): dropout (ours is a counter-based hash the op
-cannot reproduce), score modifiers, returned weights, dense bool or float masks, Dv ≠ D (the op
-needs equal head sizes), non-finite k/v (the op's `P @ V` would turn 0 · NaN in a masked-out
-value into NaN), devices other than the CPU, and plans without a structured Mask (dense and
-causal attention go to SDPA already).
+Around the op: a row with no allowed key gets out 0 and lse −inf; masks that depend on the
+batch element run one element at a time. Training runs the tiled loop instead (its backward
+needs the loop's row max and denominator; the op's float32 lse and its own backward put float32
+gradients outside the error rule). What else stays on the loop is in `reason`.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from ..masks import EMPTY
-from ..numerics import all_finite, causal_allowed
+from ..cache import CACHE
+from ..layout import allowed as layout_allowed
+from ..layout import layout_for
 from ..plan import AttentionPlan
-from .schedule import strips, tile_kinds
 
 _OPS = torch.ops.aten
+# torch's op loses a NaN of q when it sees fewer than 16 keys and no mask: narrower windows
+# are padded to 16 keys with masked-out columns.
+NARROW = 16
 _FWD_NAME = "_scaled_dot_product_flash_attention_for_cpu"
 
 
@@ -125,8 +90,8 @@ def reason(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return "the fused op needs Dv == D"
     if plan.q_len == 0 or plan.kv_len == 0 or plan.head_dim == 0:
         return "empty problem"
-    if not (all_finite(k) and all_finite(v)):
-        return "non-finite keys/values (the fused op would let 0·NaN through)"
+    if not plan.finite_inputs:
+        return "k/v may hold NaN/inf in masked slots (the fused op would let 0·NaN through)"
     return None
 
 
@@ -189,19 +154,20 @@ def _progressions(items: list) -> list[list]:
 
 class Schedule:
     """Strips of a plan grouped into batched calls, and their masks: built once per
-    (Mask, shapes, settings) and kept in a small cache (`_CACHE`), like FlexAttention's
-    BlockMask, so that a training loop pays for them once."""
+    (Mask, shapes, settings) and kept in qkv's cache (`qkv.cache`), like FlexAttention's
+    BlockMask, so that a training loop pays for them once. It holds no reference to the plan
+    or its Mask (the cache holds the Mask weakly and drops the schedule with it)."""
 
     def __init__(self, plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips):
-        self.plan, self.cfg = plan, cfg
+        self.cfg = cfg
         self.block_k = block_k
         nq, nk = plan.q_len, plan.kv_len
-        kinds = tile_kinds(plan, block_q, block_k)
-        self.kept_fraction = float((kinds != EMPTY).float().mean()) if kinds.numel() else 0.0
+        lay = layout_for(plan, block_q, block_k)
+        self.kept_fraction = lay.kept_fraction
         groups: dict[tuple, list] = {}
         singles = []
         covered = torch.zeros(nq, dtype=torch.bool)
-        for s in strips(kinds, block_q, block_k, nq, nk, max(cfg.rows, block_q), nk, cfg.waste):
+        for s in lay.strips(max(cfg.rows, block_q), nk, cfg.waste):
             covered[s.start : s.stop] = True
             merged: list[tuple[int, int]] = []
             for r in s.runs:  # runs are cut at max_cols = Nk: only gaps separate them
@@ -214,13 +180,13 @@ class Schedule:
             item = (s.start, s.stop, merged, width, partial)
             if width > cfg.wide:
                 singles.append(item)
-            elif len(merged) == 1:  # one contiguous window: exact width, strided views
+            elif len(merged) == 1 and width >= NARROW:  # one window: exact width, views
                 groups.setdefault((s.stop - s.start, width, True), []).append(item)
             else:
                 groups.setdefault((s.stop - s.start, _bucket(width, 16), False), []).append(item)
         self.batches: list[_Batch] = []
         for (n_rows, width, contiguous), items in groups.items():
-            per = max(1, cfg.budget // self._strip_bytes(n_rows, width, contiguous))
+            per = max(1, cfg.budget // self._strip_bytes(plan, n_rows, width, contiguous))
             runs = _progressions(items) if contiguous else [items]
             for run in runs:
                 for i in range(0, len(run), per):
@@ -228,14 +194,21 @@ class Schedule:
         for item in singles:
             self.batches.append(self._batch([item], item[1] - item[0], item[3], False))
         self.uncovered = (~covered).nonzero().view(-1)  # query rows no strip computes
-        self._masks: dict[tuple, tuple] = {}  # (batch, b, dtype) -> (mask, empty rows)
+        self._masks: dict[tuple, tuple] = {}  # (batch, b) -> (mask, empty rows)
         self.mask_bytes = 0
+        # Masks are built now, while they fit in cfg.mask_cache; the rest at every call.
+        for i, b in itertools.product(range(len(self.batches)), _batch_elements(plan)):
+            result = self._build_mask(i, b, plan)
+            size = sum(t.numel() * t.element_size() for t in result if t is not None)
+            if self.mask_bytes + size > cfg.mask_cache:
+                break
+            self._masks[(i, b)] = result
+            self.mask_bytes += size
 
-    def _strip_bytes(self, n_rows: int, width: int, views: bool) -> int:
+    def _strip_bytes(self, p: AttentionPlan, n_rows: int, width: int, views: bool) -> int:
         """Bytes one strip of a batch allocates: the op's output rows and the additive mask
         with its bool, plus gathered copies of q (rows) and k, v (window) unless the batch
         reads them as strided views."""
-        p = self.plan
         elt = torch.empty((), dtype=p.dtype).element_size()
         bh, bhkv = p.batch * p.heads, p.batch * p.kv_heads
         mask_heads = p.heads if p.mask_rule is not None and p.mask_rule.heads else 1
@@ -292,36 +265,27 @@ class Schedule:
             full=not tiles and not padded,
         )
 
-    def mask(self, i: int, b: int | None, dtype: torch.dtype):
+    def mask(self, i: int, b: int | None, plan: AttentionPlan):
         """Additive mask `(n|1, 1|H, R, W)` of batch i (None: all FULL) and its bool empty rows
-        `(n|1, 1|H, R)` (None: none). Cached while within the settings' `mask_cache` bytes."""
+        `(n|1, 1|H, R)` (None: none), in the plan's dtype: those built with the schedule
+        (within the settings' `mask_cache` bytes), the others built now."""
+        hit = self._masks.get((i, b))
+        return hit if hit is not None else self._build_mask(i, b, plan)
+
+    def _build_mask(self, i: int, b: int | None, plan: AttentionPlan):
         batch = self.batches[i]
         if batch.full:
             return None, None
-        key = (i, b, dtype)
-        hit = self._masks.get(key)
-        if hit is not None:
-            return hit
-        allowed = _allowed(self.plan, batch, b, self.block_k)
+        allowed = _allowed(plan, batch, b, self.block_k)
         empty = ~allowed.any(-1)
-        mask = _additive(allowed, dtype)
-        result = (mask, empty if bool(empty.any()) else None)
-        size = mask.numel() * mask.element_size() + empty.numel()
-        if self.mask_bytes + size <= self.cfg.mask_cache:
-            self._masks[key] = result
-            self.mask_bytes += size
-        return result
-
-
-_CACHE: OrderedDict[tuple, tuple[weakref.ref, Schedule]] = OrderedDict()
-_CACHE_SIZE = 8  # schedules kept (least recently used dropped first)
+        return _additive(allowed, plan.dtype), (empty if bool(empty.any()) else None)
 
 
 def schedule(plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips) -> Schedule:
-    """The cached schedule of (plan's Mask object, shapes, dtype, tiles, settings)."""
-    rule = plan.mask_rule
+    """The schedule of (plan's Mask object, shapes, dtype, tiles, settings), from qkv's cache
+    (held against the Mask weakly: dropping the Mask drops it)."""
     key = (
-        id(rule),
+        "fused-schedule",
         plan.batch,
         plan.heads,
         plan.kv_heads,
@@ -335,15 +299,7 @@ def schedule(plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips) 
         block_k,
         cfg,
     )
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is rule:  # the same Mask, not a new one at a reused id
-        _CACHE.move_to_end(key)
-        return hit[1]
-    sched = Schedule(plan, block_q, block_k, cfg)
-    _CACHE[key] = (weakref.ref(rule), sched)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return sched
+    return CACHE.get(key, lambda: Schedule(plan, block_q, block_k, cfg), owner=plan.mask_rule)
 
 
 # ------------------------------------------------------------------------------ the pieces
@@ -370,10 +326,8 @@ def _take(t: torch.Tensor, sel: Sel, n: int, ws: _Workspace) -> torch.Tensor:
 
 class _Workspace:
     """One buffer that every batch's gathered q, k and v are copied into, reused batch after
-    batch: a forward then touches a few MiB of fresh memory instead of allocating every gather
-    anew (on the VM this was measured on, fresh pages cost a fault each, and Longformer's
-    forward at N=16384, ~0.8 GB of gathers, swung between ~250 and ~440 ms with the
-    allocator's state)."""
+    batch: a forward touches a few MiB of fresh memory instead of allocating every gather anew
+    (each fresh page costs a fault)."""
 
     def __init__(self, elements: int, dtype: torch.dtype):
         self.buf = torch.empty(elements, dtype=dtype)
@@ -426,9 +380,9 @@ def _allowed(plan: AttentionPlan, batch: _Batch, b: int | None, block_k: int) ->
         cols = (c0.view(-1, 1) + j).clamp(max=plan.kv_len - 1).view(-1, 1, 1, block_k)
         bi = torch.zeros(1, 1, 1, 1, dtype=torch.long) + (b or 0)
         hi = torch.arange(hm).view(1, -1, 1, 1)
-        vals = rule.evaluate(bi, hi, rows, cols, plan.q_len, plan.kv_len)
-        if plan.causal:
-            vals = vals & causal_allowed(rows, cols, plan.causal_offset)
+        vals = layout_allowed(
+            bi, hi, rows, cols, q_len=plan.q_len, kv_len=plan.kv_len, causal=plan.causal, rule=rule
+        )
         vals = vals.expand(-1, hm, R, block_k)
         inside = j.view(1, -1) < length.view(-1, 1)  # (P, bk): a tile cut short at its end
         p_idx, j_idx = inside.nonzero(as_tuple=True)
@@ -465,7 +419,7 @@ def forward(plan: AttentionPlan, sched: Schedule, q, k, v):
         out_t, lse_t = _rows(out, b), _rows(lse.unsqueeze(-1), b)
         for i, batch in enumerate(sched.batches):
             n = batch.r0.numel()
-            mask, empty = sched.mask(i, b, plan.dtype)
+            mask, empty = sched.mask(i, b, plan)
             ws.used = 0
             o, lse_b = fused_forward_op(
                 _take(qt, batch.rows, n, ws),

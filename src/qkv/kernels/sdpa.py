@@ -6,16 +6,21 @@ Differences it cannot hide, each a reason `why_not` gives:
   is a different (if equally distributed) random function;
 - a NaN or ±inf in a masked-out key or value leaks into the output (0 · NaN inside its kernel);
 - a float mask must have q's dtype.
-Its `is_causal` is top-left aligned; for Nq ≠ Nk we pass the bottom-right rule as an explicit
-boolean mask instead (Nq × Nk bytes).
+Its `is_causal` is top-left aligned. Bottom-right causality with Nq > Nk is exact without a
+mask: the first Nq − Nk rows see nothing (output 0) and the last Nk rows are a square causal
+problem. With Nq < Nk it needs an explicit Nq × Nk mask, so `auto` passes such requests to a
+backend that skips the tiles instead; asked for by name, sdpa builds the mask.
+On the CPU with fewer than 16 keys, torch's fused kernel drops a NaN of q (the row comes back
+as zeros), so those calls run torch's math kernel, which does not.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..numerics import all_finite, causal_allowed
+from ..numerics import causal_allowed
 from ..plan import AttentionPlan
 from .base import Result
 
@@ -43,10 +48,10 @@ class SdpaBackend:
             return f"this torch ({torch.__version__}) SDPA has no enable_gqa"
         if plan.bias is not None and plan.bias.dtype != plan.dtype:
             return f"torch SDPA needs a float mask of q's dtype {plan.dtype}, got {plan.bias.dtype}"
-        if plan.has_masking and not (all_finite(k) and all_finite(v)):
+        if plan.has_masking and not plan.finite_inputs:
             return (
-                "k or v holds NaN/inf and some positions are masked: torch SDPA would leak "
-                "them into the output (0 · NaN)"
+                "some pairs are masked and k/v may hold NaN/inf there, which torch SDPA would "
+                "let through (0 · NaN); pass finite_inputs=True if they cannot"
             )
         return None
 
@@ -57,6 +62,16 @@ class SdpaBackend:
                 "a structured qkv.masks.Mask would reach torch SDPA only as a dense Nq×Nk mask; "
                 "tiled skips the empty tiles"
             )
+        if plan.causal and plan.q_len < plan.kv_len:
+            return (
+                "causal with Nq < Nk is bottom-right aligned, which torch SDPA could only take as "
+                "a dense Nq×Nk mask; tiled skips the tiles above the diagonal instead"
+            )
+        if plan.dtype == torch.float32 and plan.wants_grad:
+            return (
+                "float32 gradients: torch SDPA's backward is not within qkv's error bound on "
+                "every input; tiled's backward is"
+            )
         return None
 
     def forward(
@@ -65,11 +80,17 @@ class SdpaBackend:
         attn_mask = plan.mask if plan.mask is not None else plan.bias
         if plan.mask_rule is not None:  # asked for by name: pay for the dense mask
             attn_mask = plan.mask_rule.dense4(plan.q_len, plan.kv_len, q.device)
+        if plan.causal and plan.q_len > plan.kv_len and attn_mask is None:
+            # Rows 0 … Nq−Nk−1 see no key (output 0); the last Nk rows are square causal.
+            skip = plan.q_len - plan.kv_len
+            out = torch.zeros(*q.shape[:-1], plan.v_dim, dtype=q.dtype, device=q.device)
+            out[..., skip:, :] = _call(q[..., skip:, :], k, v, None, True, plan)
+            return out, None, None
         is_causal = False
         if plan.causal:
             if plan.q_len == plan.kv_len and attn_mask is None:
                 is_causal = True  # top-left equals bottom-right when Nq == Nk
-            else:
+            else:  # Nq < Nk (asked for by name) or a mask to combine with: one dense mask
                 rows = torch.arange(plan.q_len, device=q.device).unsqueeze(1)
                 cols = torch.arange(plan.kv_len, device=q.device)
                 allowed = causal_allowed(rows, cols, plan.causal_offset)
@@ -79,8 +100,18 @@ class SdpaBackend:
                     attn_mask = attn_mask & allowed
                 else:
                     attn_mask = attn_mask.masked_fill(~allowed, -torch.inf)
-        extra = {"enable_gqa": True} if plan.groups > 1 else {}
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=plan.scale, **extra
-        )
-        return out, None, None
+        return _call(q, k, v, attn_mask, is_causal, plan), None, None
+
+
+def _call(q, k, v, attn_mask, is_causal: bool, plan: AttentionPlan) -> torch.Tensor:
+    """torch SDPA with qkv's scale and grouped heads; its math kernel for fewer than 16 keys on
+    the CPU, where the fused kernel loses a NaN of q."""
+    extra = {"enable_gqa": True} if plan.groups > 1 else {}
+    if q.device.type == "cpu" and k.shape[-2] < 16:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=plan.scale, **extra
+            )
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=plan.scale, **extra
+    )

@@ -11,17 +11,20 @@ Three kernels, each one program per tile and (batch, head):
     _attn_bwd_dkdv  grid (key tiles,   B·Hkv)   dK, dV  (loops over the G query heads of its group)
     _attn_bwd_dq    grid (query tiles, B·H)     dQ      (and the relative-bias table's gradient)
 
-The forward of one query tile Q_i, over the key tiles K_j its row keeps (log2 units)::
+The forward of one query tile Q_i, over the key tiles K_j its row keeps::
 
-    S   = Q_i K_jᵀ · scale · log2 e          (+ bias, score modifiers, mask)
-    m'  = max(m, rowmax S);  P = 2^(S − m');  l = l · 2^(m − m') + rowsum P
-    acc = acc · 2^(m − m') + P V_j;          out = acc / l,  lse = (m + log2 l) · ln 2
+    S   = Q_i K_jᵀ · scale                    (+ bias, score modifiers, mask)
+    m'  = max(m, rowmax S);  P = exp(S − m');  l = l · exp(m − m') + rowsum P
+    acc = acc · exp(m − m') + P V_j;           out = acc / l;  stores m and l
 
-The backward recomputes P = 2^(S − lse · log2 e) tile by tile (FlashAttention-2, Algorithm 2)::
+(each exp as `exp2((x − m)·log2 e)`: the unit conversion multiplies the small difference, not
+S). The host turns m and l into lse = m + log l in float64; the backward recomputes
+P = exp(S − lse) tile by tile (FlashAttention-2, Algorithm 2) with lse as a two-float::
 
     dV_j += Pᵀ dO_i,  dP = dO_i V_jᵀ,  dS = P ∘ (dP − Δ_i),  dQ_i += dS K_j,  dK_j += dSᵀ Q_i
 
-with Δ_i = rowsum(dO_i ∘ O_i) − dlse_i computed by the host (one O(N·Dv) reduction).
+with Δ_i = rowsum(dO_i ∘ O_i) − dlse_i computed by the host in float64 (one O(N·Dv)
+reduction), also passed as a two-float (hi, lo).
 
 Which key tiles a query tile visits comes from per-row tile lists (like FlexAttention's
 BlockMask): FULL tiles run with no mask arithmetic at all; PARTIAL tiles apply the bounds check,
@@ -110,7 +113,6 @@ def _scores(
     Nk,
     OFF,
     sm_scale,
-    qk_scale2,
     BIAS,
     sbb,
     sbh,
@@ -122,42 +124,34 @@ def _scores(
     REL_M,
     cap,
     HAS_BIAS: tl.constexpr,
-    NATURAL: tl.constexpr,
     ALIBI: tl.constexpr,
     REL_POS: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
-    """Raw Q Kᵀ → the scores the softmax sees, in log2 units, and t = tanh(x / cap) (the
-    softcap's derivative needs it; 0 without softcap). ALIBI / REL_POS: 0 absent, 1 before the
-    softcap, 2 after it."""
+    """Raw Q Kᵀ → the scores the softmax sees (`Q Kᵀ · scale`, rounded as the reference rounds
+    it, + bias, modifiers), and t = tanh(x / cap) (the softcap's derivative needs it; 0 without
+    softcap). ALIBI / REL_POS: 0 absent, 1 before the softcap, 2 after it."""
     t = qk * 0.0
-    if NATURAL:
-        s = qk * sm_scale
-        if HAS_BIAS:
-            bias_ptr = BIAS + b * sbb + h * sbh + rows[:, None] * sbm + cols[None, :] * sbn
-            ok = (rows[:, None] < Nq) & (cols[None, :] < Nk)
-            s += tl.load(bias_ptr, mask=ok, other=0.0).to(tl.float32)
-        dist = (rows[:, None] + OFF) - cols[None, :]  # query position − key position
-        if ALIBI == 1:
-            s -= tl.load(SLOPES + h) * tl.abs(dist).to(tl.float32)
-        if REL_POS == 1:
-            rel = tl.minimum(tl.maximum(-dist, -REL_M), REL_M) + REL_M
-            s += tl.load(REL + h * srh + rel).to(tl.float32)
-        if SOFTCAP:
-            t = _tanh(s / cap)
-            s = cap * t
-        if ALIBI == 2:
-            s -= tl.load(SLOPES + h) * tl.abs(dist).to(tl.float32)
-        if REL_POS == 2:
-            rel = tl.minimum(tl.maximum(-dist, -REL_M), REL_M) + REL_M
-            s += tl.load(REL + h * srh + rel).to(tl.float32)
-        s = s * 1.4426950408889634
-    else:
-        s = qk * qk_scale2
-        if HAS_BIAS:
-            bias_ptr = BIAS + b * sbb + h * sbh + rows[:, None] * sbm + cols[None, :] * sbn
-            ok = (rows[:, None] < Nq) & (cols[None, :] < Nk)
-            s += tl.load(bias_ptr, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    s = qk * sm_scale
+    if HAS_BIAS:
+        bias_ptr = BIAS + b * sbb + h * sbh + rows[:, None] * sbm + cols[None, :] * sbn
+        ok = (rows[:, None] < Nq) & (cols[None, :] < Nk)
+        bias = tl.load(bias_ptr, mask=ok, other=0.0).to(tl.float32)
+        s = tl.where(bias == float("-inf"), float("-inf"), s + bias)  # −inf excludes the pair
+    dist = (rows[:, None] + OFF) - cols[None, :]  # query position − key position
+    if ALIBI == 1:
+        s -= tl.load(SLOPES + h) * tl.abs(dist).to(tl.float32)
+    if REL_POS == 1:
+        rel = tl.minimum(tl.maximum(-dist, -REL_M), REL_M) + REL_M
+        s += tl.load(REL + h * srh + rel).to(tl.float32)
+    if SOFTCAP:
+        t = _tanh(s / cap)
+        s = cap * t
+    if ALIBI == 2:
+        s -= tl.load(SLOPES + h) * tl.abs(dist).to(tl.float32)
+    if REL_POS == 2:
+        rel = tl.minimum(tl.maximum(-dist, -REL_M), REL_M) + REL_M
+        s += tl.load(REL + h * srh + rel).to(tl.float32)
     return s, t
 
 
@@ -180,11 +174,11 @@ def _allowed(rows, cols, code, Nk, OFF, BANK, BLOCK_M: tl.constexpr, BLOCK_N: tl
 @triton.jit
 def _fwd_step(
     acc, m_i, l_i, q, j, code, rows, b, h, bh, Kb, Vb, skn, skd, svn, svd,
-    Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M, cap,
+    Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M, cap,
     BANK, DROP, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BANK: tl.constexpr, HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr,
+    HAS_BANK: tl.constexpr, HAS_BIAS: tl.constexpr, ALIBI: tl.constexpr,
     REL_POS: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -199,16 +193,16 @@ def _fwd_step(
         other=0.0,
     )
     qk = _mma(q, kt, None, PREC, UPCAST)
-    s, _t = _scores(qk, rows, cols, b, h, Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm,
-                    sbn, SLOPES, REL, srh, REL_M, cap, HAS_BIAS, NATURAL, ALIBI, REL_POS,
+    s, _t = _scores(qk, rows, cols, b, h, Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm,
+                    sbn, SLOPES, REL, srh, REL_M, cap, HAS_BIAS, ALIBI, REL_POS,
                     SOFTCAP)  # fmt: skip
     if MASKED:
         ok = _allowed(rows, cols, code, Nk, OFF, BANK, BLOCK_M, BLOCK_N, CAUSAL, HAS_BANK)
         s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row masked so far: P = 0
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2((s - m_use[:, None]) * LOG2E)
+    alpha = tl.exp2((m_i - m_use) * LOG2E)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(_keep(bh, rows, cols, DROP), p * keep_scale, 0.0)
@@ -224,15 +218,15 @@ def _fwd_step(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE,
+    Q, K, V, O, M, L,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M, cap,
     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_CODE, BANK, lay_b, lay_h, Hl, NROW, NCOL,
     DROP, keep_scale,
-    H, G, Nq, Nk, OFF, sm_scale, qk_scale2,
+    H, G, Nq, Nk, OFF, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_BANK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -260,9 +254,9 @@ def _attn_fwd(
         j = tl.load(FULL_IDX + lrow * NCOL + t)
         acc, m_i, l_i = _fwd_step(
             acc, m_i, l_i, q, j, -1, rows, b, h, bh, Kb, Vb, skn, skd, svn, svd,
-            Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M,
+            Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M,
             cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, D, D_PAD, DV, DV_PAD, False, CAUSAL,
-            HAS_BANK, HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
+            HAS_BANK, HAS_BIAS, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
         )  # fmt: skip
     n_part = tl.load(PART_NUM + lrow)
     for t in range(n_part):
@@ -270,41 +264,41 @@ def _attn_fwd(
         code = tl.load(PART_CODE + lrow * NCOL + t)
         acc, m_i, l_i = _fwd_step(
             acc, m_i, l_i, q, j, code, rows, b, h, bh, Kb, Vb, skn, skd, svn, svd,
-            Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M,
+            Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M,
             cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, D, D_PAD, DV, DV_PAD, True, CAUSAL,
-            HAS_BANK, HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
+            HAS_BANK, HAS_BIAS, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
         )  # fmt: skip
-    empty = l_i == 0.0  # nothing allowed in this row: out 0, lse −inf
+    empty = l_i == 0.0  # nothing allowed in this row: out 0 (and lse −inf, from l = 0)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     tl.store(
         O + b * sob + h * soh + rows64[:, None] * som + dv[None, :] * sod,
         out.to(O.dtype.element_ty),
         mask=(rows[:, None] < Nq) & (dv[None, :] < DV),
     )
-    tl.store(LSE + bh * Nq + rows64, lse, mask=rows < Nq)
+    tl.store(M + bh * Nq + rows64, m_i, mask=rows < Nq)
+    tl.store(L + bh * Nq + rows64, l_i, mask=rows < Nq)
 
 
 @triton.jit
 def _bwd_probs(
-    q, do, lse2, delta, kt, vt, rows, cols, code, b, h, bh,
-    Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M, cap,
+    q, do, lse_hi, lse_lo, d_hi, d_lo, kt, vt, rows, cols, code, b, h, bh,
+    Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M, cap,
     BANK, DROP, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BANK: tl.constexpr, HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr,
+    HAS_BANK: tl.constexpr, HAS_BIAS: tl.constexpr, ALIBI: tl.constexpr,
     REL_POS: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Recompute one tile's P from lse; return (P after dropout, dS at the modifiers' output,
     dS at Q Kᵀ · scale, t) — the two dS differ only through the softcap."""
     qk = _mma(q, kt, None, PREC, UPCAST)
-    s, t = _scores(qk, rows, cols, b, h, Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm,
-                   sbn, SLOPES, REL, srh, REL_M, cap, HAS_BIAS, NATURAL, ALIBI, REL_POS,
+    s, t = _scores(qk, rows, cols, b, h, Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm,
+                   sbn, SLOPES, REL, srh, REL_M, cap, HAS_BIAS, ALIBI, REL_POS,
                    SOFTCAP)  # fmt: skip
     if MASKED:
         ok = _allowed(rows, cols, code, Nk, OFF, BANK, BLOCK_M, BLOCK_N, CAUSAL, HAS_BANK)
         s = tl.where(ok, s, float("-inf"))
-    p = tl.exp2(s - lse2[:, None])
+    p = tl.exp2(((s - lse_hi[:, None]) - lse_lo[:, None]) * LOG2E)
     dp = _mma(do, vt, None, PREC, UPCAST)
     if DROPOUT:
         keep = _keep(bh, rows, cols, DROP)
@@ -312,7 +306,7 @@ def _bwd_probs(
         dp = tl.where(keep, dp * keep_scale, 0.0)
     else:
         pd = p
-    ds = p * (dp - delta[:, None])
+    ds = p * ((dp - d_hi[:, None]) - d_lo[:, None])
     ds_in = ds
     if SOFTCAP:
         ds_in = ds * (1.0 - t * t)
@@ -321,16 +315,16 @@ def _bwd_probs(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE2, DELTA, DK_OUT, DV_OUT,
+    Q, K, V, DO, LSE_HI, LSE_LO, D_HI, D_LO, DK_OUT, DV_OUT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M, cap,
     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_CODE, BANK, lay_b, lay_h, Hl, NROW, NCOL,
     DROP, keep_scale,
-    H, G, Hkv, Nq, Nk, OFF, sm_scale, qk_scale2,
+    H, G, Hkv, Nq, Nk, OFF, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_BANK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key tile of kv head hk: loops over the G query heads that share it and,
@@ -387,13 +381,15 @@ def _attn_bwd_dkdv(
                     mask=in_rows[:, None] & (dv_[None, :] < DV),
                     other=0.0,
                 )
-                lse2 = tl.load(LSE2 + bh * Nq + rows64, mask=in_rows, other=float("inf"))
-                delta = tl.load(DELTA + bh * Nq + rows64, mask=in_rows, other=0.0)
+                lse_hi = tl.load(LSE_HI + bh * Nq + rows64, mask=in_rows, other=float("inf"))
+                lse_lo = tl.load(LSE_LO + bh * Nq + rows64, mask=in_rows, other=0.0)
+                d_hi = tl.load(D_HI + bh * Nq + rows64, mask=in_rows, other=0.0)
+                d_lo = tl.load(D_LO + bh * Nq + rows64, mask=in_rows, other=0.0)
                 pd, _ds, ds_in, _t = _bwd_probs(
-                    q, do, lse2, delta, kt, vt, rows, cols, code, b, h, bh,
-                    Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh,
+                    q, do, lse_hi, lse_lo, d_hi, d_lo, kt, vt, rows, cols, code, b, h, bh,
+                    Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh,
                     REL_M, cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, part == 1, CAUSAL,
-                    HAS_BANK, HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
+                    HAS_BANK, HAS_BIAS, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
                 )  # fmt: skip
                 dv = _mma(tl.trans(pd).to(do.dtype), do, dv, PREC, UPCAST)
                 dk = _mma(tl.trans(ds_in).to(q.dtype), q, dk, PREC, UPCAST)
@@ -412,16 +408,16 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE2, DELTA, DQ, DREL,
+    Q, K, V, DO, LSE_HI, LSE_LO, D_HI, D_LO, DQ, DREL,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
     sdqb, sdqh, sdqm, sdqd,
     BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M, cap,
     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_CODE, BANK, lay_b, lay_h, Hl, NROW, NCOL,
     DROP, keep_scale,
-    H, G, Nq, Nk, OFF, sm_scale, qk_scale2,
+    H, G, Nq, Nk, OFF, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_BANK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NATURAL: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     REL_GRAD: tl.constexpr,
 ):  # fmt: skip
@@ -447,8 +443,10 @@ def _attn_bwd_dq(
         mask=in_rows[:, None] & (dv_[None, :] < DV),
         other=0.0,
     )
-    lse2 = tl.load(LSE2 + bh * Nq + rows64, mask=in_rows, other=float("inf"))
-    delta = tl.load(DELTA + bh * Nq + rows64, mask=in_rows, other=0.0)
+    lse_hi = tl.load(LSE_HI + bh * Nq + rows64, mask=in_rows, other=float("inf"))
+    lse_lo = tl.load(LSE_LO + bh * Nq + rows64, mask=in_rows, other=0.0)
+    d_hi = tl.load(D_HI + bh * Nq + rows64, mask=in_rows, other=0.0)
+    d_lo = tl.load(D_LO + bh * Nq + rows64, mask=in_rows, other=0.0)
     Kb = K + b * skb + hk * skh
     Vb = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -479,10 +477,10 @@ def _attn_bwd_dq(
                 other=0.0,
             )
             _pd, ds, ds_in, _t = _bwd_probs(
-                q, do, lse2, delta, kt, vt, rows, cols, code, b, h, bh,
-                Nq, Nk, OFF, sm_scale, qk_scale2, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh,
+                q, do, lse_hi, lse_lo, d_hi, d_lo, kt, vt, rows, cols, code, b, h, bh,
+                Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh,
                 REL_M, cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, part == 1, CAUSAL, HAS_BANK,
-                HAS_BIAS, NATURAL, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
+                HAS_BIAS, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
             )  # fmt: skip
             if REL_GRAD:
                 dist = (rows[:, None] + OFF) - cols[None, :]

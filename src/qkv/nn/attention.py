@@ -70,11 +70,32 @@ class SelfAttention(nn.Module):
             Q, K, V = Q + self.b_q, K + self.b_k, V + self.b_v
         if x.dim() == 3:  # one head: (B, N, d) → (B, 1, N, d)
             Q, K, V = Q.unsqueeze(1), K.unsqueeze(1), V.unsqueeze(1)
-        res = attention(Q, K, V, mask=mask, causal=causal, return_weights=return_weights)
+        res = attention(
+            Q, K, V, mask=mask, causal=causal, return_weights=return_weights, finite_inputs=True
+        )
         if not return_weights:
             return res.squeeze(1) if x.dim() == 3 else res
         out, weights = res
         return (out.squeeze(1), weights.squeeze(1)) if x.dim() == 3 else (out, weights)
+
+
+class Local:
+    """The strategy of a module that holds its whole sequence: positions from the cache's
+    length, attention by `qkv.attention`. A sequence-parallel strategy
+    (`qkv.distributed.SequenceParallel`) offers the same two methods over a sharded sequence."""
+
+    def positions(self, n: int, start: int, device: torch.device) -> torch.Tensor:
+        """Positions of n new tokens after `start` cached ones."""
+        return torch.arange(start, start + n, device=device)
+
+    def attention(self, q, k, v, *, cross: bool = False, cache: bool = False, **kwargs):
+        """`qkv.attention(q, k, v, **kwargs)`; `cross`/`cache` say what the module is doing.
+        The keys and values are the module's own projections (a KVCache's unused slots are
+        zeros), so it promises `finite_inputs`: masked slots hold no garbage of their own."""
+        return attention(q, k, v, finite_inputs=True, **kwargs)
+
+
+LOCAL = Local()
 
 
 class MultiHeadAttention(nn.Module):
@@ -90,13 +111,14 @@ class MultiHeadAttention(nn.Module):
         dropout: attention dropout probability, applied in training mode only.
         rope: None, True (RoPE over the whole head) or a `RotaryEmbedding`.
         backend: passed to `qkv.attention`.
-        sequence_parallel: None (one process), or run attention over a sequence sharded across
-            processes: a `qkv.distributed.SequenceParallel` (group, layout, ring/ulysses), a
-            `torch.distributed` ProcessGroup or True (the default group; zigzag, ring). Then
-            `x` is this rank's shard `(B, N/P, d_model)` (see `qkv.distributed.shard`), RoPE
-            uses global positions, `mask` must be a structured `qkv.masks.Mask` over global
-            positions, and the output is this rank's shard. `qkv.distributed.parallelize(model)`
-            sets it on every MultiHeadAttention of a model.
+        sequence_parallel: None (one process), or a strategy that runs attention over a
+            sequence sharded across processes, `qkv.distributed.SequenceParallel(...)` (group,
+            layout, ring/ulysses): then `x` is this rank's shard `(B, N/P, d_model)` (see
+            `qkv.distributed.shard`), RoPE uses global positions, `mask` must be a structured
+            `qkv.masks.Mask` over global positions, and the output is this rank's shard.
+            `qkv.distributed.parallelize(model, sp)` sets it on every MultiHeadAttention of a
+            model. (The module calls the strategy's `positions` and `attention`; it never
+            imports `qkv.distributed`.)
 
     `forward(x, context=None, mask=None, causal=False, cache=None, return_weights=False)`:
     self-attention on `x (B, N, d_model)` (or `(N, d_model)`), or cross-attention from `x` to
@@ -144,11 +166,28 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.rope = RotaryEmbedding(head_dim) if rope is True else (rope or None)
-        self.sequence_parallel = None
-        if sequence_parallel is not None:  # imported only when asked for: keeps `import qkv` light
-            from ..distributed import SequenceParallel
+        self.sequence_parallel = sequence_parallel  # checked by its setter
 
-            self.sequence_parallel = SequenceParallel.of(sequence_parallel)
+    @property
+    def sequence_parallel(self) -> object:
+        """The strategy that runs attention over a sharded sequence (e.g.
+        `qkv.distributed.SequenceParallel`), or None: this process holds the whole sequence."""
+        return None if self.strategy is LOCAL else self.strategy
+
+    @sequence_parallel.setter
+    def sequence_parallel(self, value: object) -> None:
+        if value is None:
+            self.strategy = LOCAL
+        elif callable(getattr(value, "attention", None)) and callable(
+            getattr(value, "positions", None)
+        ):
+            self.strategy = value
+        else:
+            raise TypeError(
+                "sequence_parallel must be None or a strategy with attention(q, k, v, ...) and "
+                f"positions(n, start, device), such as qkv.distributed.SequenceParallel(...), "
+                f"got {type(value).__name__}"
+            )
 
     def extra_repr(self) -> str:
         return (
@@ -183,19 +222,10 @@ class MultiHeadAttention(nn.Module):
         q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, N, hd)
         k = self._heads(self.k_proj(src), self.n_kv_heads)  # (B, Hkv, M, hd)
         v = self._heads(self.v_proj(src), self.n_kv_heads)
-        if self.sequence_parallel is not None:
-            self._check_sharded(context, mask, cache, return_weights)
-            sp = self.sequence_parallel
-            if self.rope is not None:  # the global positions of this rank's tokens
-                pos = sp.positions(N, device=x.device)
-                q, k = self.rope(q, pos), self.rope(k, pos)
-            out = sp.attention(q, k, v, causal=causal, mask=mask)  # (B, H, N/P, hd)
-            out = self.o_proj(out.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim))
-            return out[0] if unbatched else out
         start = cache.length if cache is not None else 0
-        if self.rope is not None:
-            q = self.rope(q, torch.arange(start, start + N, device=x.device))
-            k = self.rope(k, torch.arange(start, start + k.shape[2], device=x.device))
+        if self.rope is not None:  # positions of these tokens (global ones, when sharded)
+            q = self.rope(q, self.strategy.positions(N, start, x.device))
+            k = self.rope(k, self.strategy.positions(k.shape[2], start, x.device))
         if cache is not None:
             if context is not None:
                 raise ValueError("a KVCache holds self-attention keys; do not pass context with it")
@@ -206,7 +236,7 @@ class MultiHeadAttention(nn.Module):
                 causal = False
             else:
                 causal = True
-        res = attention(
+        res = self.strategy.attention(
             q,
             k,
             v,
@@ -215,6 +245,8 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=return_weights,
+            cross=context is not None,
+            cache=cache is not None,
         )
         out, weights = res if return_weights else (res, None)
         out = self.o_proj(out.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim))
@@ -222,22 +254,6 @@ class MultiHeadAttention(nn.Module):
             out = out[0]
             weights = weights[0] if weights is not None else None
         return (out, weights) if return_weights else out
-
-    def _check_sharded(self, context, mask, cache, return_weights) -> None:
-        unsupported = {
-            "context (cross-attention)": context is not None,
-            "a KVCache": cache is not None,
-            "return_weights": return_weights,
-            "attention dropout in training mode": self.training and self.dropout > 0,
-        }
-        for what, used in unsupported.items():
-            if used:
-                raise NotImplementedError(f"sequence-parallel attention does not support {what}")
-        if mask is not None and not isinstance(mask, masks.Mask):
-            raise TypeError(
-                "with sequence_parallel, mask must be a structured qkv.masks.Mask over global "
-                f"positions, got {type(mask).__name__}"
-            )
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:

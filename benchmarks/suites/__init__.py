@@ -1,0 +1,1 @@
+"""The suites: one module each, defining `SUITE` (see benchmarks/README.md)."""

@@ -1,0 +1,153 @@
+"""The one cache qkv keeps: derived structures (tile schedules, masks per tile, layouts) that are
+expensive to build and cheap to reuse, as FlexAttention users keep a `BlockMask`.
+
+- **Bounded in bytes** (`QKV_CACHE_MB`, default 256 MiB): least recently used entries go first;
+  an entry larger than the whole budget is built and returned but not kept.
+- **Releases what the user dropped**: an entry built for an object (a `qkv.masks.Mask`) is held
+  against a weak reference to it and dropped when that object is garbage collected; the cache
+  never keeps the object itself alive. Owners are told apart by a counter, never by `id()`,
+  which Python reuses.
+- **Thread-safe**: one lock; two threads asking for the same missing entry may both build it
+  (the first one stored wins), but never see a half-built one.
+- **Clearable**: `qkv.clear_caches()`; `qkv.cache_info()` says what it holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def nbytes(*objs: Any) -> int:
+    """Bytes held by tensors inside (nested lists, tuples, dicts, dataclass-like objects)."""
+    seen: set[int] = set()
+    total = 0
+
+    def walk(x: Any) -> None:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            key = x.untyped_storage().data_ptr() if x.device.type != "meta" else id(x)
+            if key not in seen:
+                seen.add(key)
+                total += x.untyped_storage().nbytes()
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif hasattr(x, "__dict__"):
+            for y in vars(x).values():
+                walk(y)
+
+    for o in objs:
+        walk(o)
+    return total
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    entries: int  # values held
+    bytes: int  # bytes of tensors they hold
+    max_bytes: int  # the budget
+    hits: int
+    misses: int
+
+
+class Cache:
+    """A byte-bounded, thread-safe LRU of derived structures, optionally owned (weakly) by an
+    object; see the module docstring."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._counter = itertools.count(1)
+        self.hits = self.misses = 0
+
+    def _token(self, owner: object) -> int:
+        """A number for `owner` that is never reused, and drops its entries when it dies."""
+        token = self._tokens.get(owner)
+        if token is None:
+            token = next(self._counter)
+            self._tokens[owner] = token
+            weakref.finalize(owner, self._forget, token)
+        return token
+
+    def _forget(self, token: int) -> None:
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == token]:
+                self._bytes -= self._entries.pop(key)[1]
+
+    def get(
+        self,
+        key: Hashable,
+        build: Callable[[], Any],
+        owner: object | None = None,
+        size: Callable[[Any], int] = nbytes,
+    ) -> Any:
+        """The value cached under (owner, key), built by `build()` if missing. `build` and the
+        value must not refer to `owner` (that would keep it alive)."""
+        with self._lock:
+            full_key = (0 if owner is None else self._token(owner), key)
+            hit = self._entries.get(full_key)
+            if hit is not None:
+                self._entries.move_to_end(full_key)
+                self.hits += 1
+                return hit[0]
+            self.misses += 1
+        value = build()  # outside the lock: building may take a while
+        n = size(value)
+        with self._lock:
+            if full_key in self._entries:  # another thread built it meanwhile
+                return self._entries[full_key][0]
+            if n <= self.max_bytes and (owner is None or owner in self._tokens):
+                self._entries[full_key] = (value, n)
+                self._bytes += n
+                while self._bytes > self.max_bytes:
+                    self._bytes -= self._entries.popitem(last=False)[1][1]
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(
+                len(self._entries), self._bytes, self.max_bytes, self.hits, self.misses
+            )
+
+
+def budget() -> int:
+    """The cache's size in bytes, from `QKV_CACHE_MB` (MiB, default 256)."""
+    raw = os.environ.get("QKV_CACHE_MB", "256")
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"QKV_CACHE_MB must be a number of MiB, got {raw!r}") from None
+    return int(max(mb, 0) * 2**20)
+
+
+CACHE = Cache(budget())
+
+
+def clear_caches() -> None:
+    """Drop everything qkv has cached (schedules, tile masks, layouts)."""
+    CACHE.clear()
+
+
+def cache_info() -> CacheInfo:
+    """How many entries and bytes qkv's cache holds, its budget, hits and misses."""
+    return CACHE.info()

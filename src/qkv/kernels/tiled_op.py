@@ -1,0 +1,302 @@
+"""The tiled backend as two `torch.library` custom ops, `qkv::tiled_forward` and
+`qkv::tiled_backward`, with fake (meta) implementations and vmap rules; `TiledAttention` ties
+them together for autograd and torch.func.grad.
+
+`torch.compile` sees each op as one opaque node with known output shapes, so it traces a model
+through qkv attention without a graph break, and never looks at the Python loop inside (whose
+tile schedule is plain Python ints). Everything an op needs travels as tensors and numbers:
+the backend's tiling and fused-strips settings as lists of numbers, the structured `Mask` and
+a held `BlockLayout` as small integer handles, so a compiled graph specialises on them (a new
+Mask object means a new graph, as a new `BlockMask` does for FlexAttention).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from ..numerics import once_differentiable
+from ..plan import AttentionPlan
+from . import fused as fused_mod
+from .fused import FusedStrips
+from .steps import RowStats, TileProblem, Tiling, backward_loop, forward_loop
+
+# -- handles: small ints that name a Python object while it is alive ----------------------------
+_lock = threading.Lock()
+_numbers = itertools.count(1)
+_handle_of: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_object_of: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def handle(obj: object) -> int:
+    """A number for `obj` (0 for None), the same for as long as `obj` lives, never reused.
+    torch.compile calls it while tracing and keeps the number as a constant of the graph."""
+    if obj is None:
+        return 0
+    with _lock:
+        h = _handle_of.get(obj)
+        if h is None:
+            h = _handle_of[obj] = next(_numbers)
+            _object_of[h] = obj
+        return h
+
+
+# What `torch.compiler.assume_constant_result(handle)` does, without importing torch._dynamo
+# (which doubles the time of `import qkv`); tests/test_compile.py fails if that ever changes.
+handle._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def lookup(h: int) -> Any:
+    if h == 0:
+        return None
+    obj = _object_of.get(h)
+    if obj is None:
+        raise RuntimeError(
+            f"qkv: object handle {h} is gone (its Mask or BlockLayout was garbage collected "
+            f"while a compiled graph still used it); keep it alive"
+        )
+    return obj
+
+
+def _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held):
+    """The plan of an op call, rebuilt from its arguments (validated once by `make_plan`)."""
+    B, H, Nq, D = q.shape
+    return AttentionPlan(
+        batch=B,
+        heads=H,
+        kv_heads=k.shape[1],
+        q_len=Nq,
+        kv_len=k.shape[2],
+        head_dim=D,
+        v_dim=v.shape[-1],
+        scale=scale,
+        causal=causal,
+        mask=mask,
+        bias=bias,
+        mask_rule=lookup(rule),
+        layout=lookup(held),
+        score_mod=None,
+        dropout_p=dropout_p,
+        dropout_seed=seed,
+        finite_inputs=finite,
+        return_lse=True,
+        return_weights=False,
+        wants_grad=want_grad,
+        input_rank=4,
+        dtype=q.dtype,
+        device=q.device,
+    )
+
+
+def _settings(tiling: list[int], fused: list[float]) -> tuple[Tiling, FusedStrips | None]:
+    if not fused:
+        return Tiling(*tiling), None
+    rows, waste, wide, budget, mask_cache = fused
+    return Tiling(*tiling), FusedStrips(int(rows), waste, int(wide), int(budget), int(mask_cache))
+
+
+def fused_reason(cfg: FusedStrips | None, plan: AttentionPlan, q, k, v) -> str | None:
+    """None when the forward takes the fused-strips path, else why it runs the loop."""
+    if cfg is None:
+        return "fused=False"
+    if plan.wants_grad:
+        return (
+            "gradients: the loop's forward keeps what its backward needs (each row's max and "
+            "softmax denominator); the fused op's float32 lse put float32 gradients beyond "
+            "the error bound"
+        )
+    return fused_mod.reason(plan, q, k, v)
+
+
+def _stat_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def forward_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    dropout_p: float,
+    finite: bool,
+    want_grad: bool,
+    rule: int,
+    held: int,
+    tiling: list[int],
+    fused: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(out, lse, row max, row sum)`: the last two are what the backward needs."""
+    tiles, cfg = _settings(tiling, fused)
+    plan = _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held)
+    if fused_reason(cfg, plan, q, k, v) is None:  # no gradient: torch's fused op, in strips
+        sched = fused_mod.schedule(plan, tiles.block_q, tiles.block_k, cfg)
+        out, lse = fused_mod.forward(plan, sched, q, k, v)
+        stats = RowStats.from_lse(lse, plan.compute_dtype)
+        return out.contiguous(), lse, stats.hi, torch.ones_like(stats.hi)
+    out, lse, stats = forward_loop(TileProblem(plan, q, tiles), q, k, v)
+    return out.contiguous(), lse, stats.hi, stats.l
+
+
+tiled_forward = torch.library.custom_op("qkv::tiled_forward", forward_impl, mutates_args=())
+
+
+@tiled_forward.register_fake
+def _(q, k, v, mask, bias, seed, *args):
+    B, H, Nq, _ = q.shape
+    rows = (B, H, Nq)
+    cdt = _stat_dtype(q)
+    return (
+        q.new_empty(B, H, Nq, v.shape[-1]),
+        q.new_empty(rows, dtype=cdt),
+        q.new_empty(rows, dtype=cdt),
+        q.new_empty(rows, dtype=cdt),
+    )
+
+
+def backward_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor,
+    scale: float,
+    causal: bool,
+    dropout_p: float,
+    finite: bool,
+    rule: int,
+    held: int,
+    tiling: list[int],
+    fused: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(dq, dk, dv)` of `tiled_forward`'s out and lse."""
+    plan = _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, True, rule, held)
+    T = TileProblem(plan, q, _settings(tiling, fused)[0])
+    dq, dk, dv, _ = backward_loop(T, q, k, v, RowStats(row_max, None, row_sum), dout, dlse)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+tiled_backward = torch.library.custom_op("qkv::tiled_backward", backward_impl, mutates_args=())
+
+
+@tiled_backward.register_fake
+def _(q, k, v, mask, bias, seed, row_max, row_sum, dout, dlse, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+class TiledAttention(torch.autograd.Function):
+    """Autograd (and torch.func) around the two ops: `apply(q, k, v, mask, bias, seed, scale,
+    causal, dropout_p, finite, want_grad, rule, held, tiling, fused)` → `(out, lse)`."""
+
+    generate_vmap_rule = True  # the ops' own vmap rules fold the mapped dim into the batch
+
+    @staticmethod
+    def forward(q, k, v, mask, bias, seed, *args):  # type: ignore[override]
+        return tiled_forward(q, k, v, mask, bias, seed, *args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, _, rule, held, *cfg = inputs
+        _, _, row_max, row_sum = output
+        ctx.save_for_backward(q, k, v, mask, bias, seed, row_max, row_sum)
+        ctx.args = (scale, causal, dropout_p, finite, rule, held, *cfg)
+        if not torch.compiler.is_compiling():  # eager: the Mask lives until the backward
+            ctx.alive = (lookup(rule), lookup(held))
+        ctx.mark_non_differentiable(row_max, row_sum)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _drow_max, _drow_sum):  # type: ignore[override]
+        q, k, v, mask, bias, seed, row_max, row_sum = ctx.saved_tensors
+        with torch.no_grad():
+            if dout is None:
+                dout = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+            if dlse is None:
+                dlse = torch.zeros_like(row_max)
+            stats = (row_max, row_sum)
+            grads = tiled_backward(q, k, v, mask, bias, seed, *stats, dout, dlse, *ctx.args)
+        return *once_differentiable("tiled", grads, (q, k, v)), *([None] * 12)
+
+
+# -- vmap: fold the mapped dimension into the batch ---------------------------------------------
+def _fold(x: torch.Tensor | None, dim: int | None, size: int, batch: int) -> torch.Tensor | None:
+    """`x` with its mapped dim (or a broadcast one) first, folded into dim 0: `(size·batch, …)`."""
+    if x is None:
+        return None
+    x = x.unsqueeze(0) if dim is None else x.movedim(dim, 0)
+    x = x.expand(size, batch, *x.shape[2:])
+    return x.reshape(size * batch, *x.shape[2:])
+
+
+def _unfold(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x.reshape(size, x.shape[0] // size, *x.shape[1:])
+
+
+def _batch_of(x: torch.Tensor, dim: int | None) -> int:
+    return x.shape[0] if dim is None else x.movedim(dim, 0).shape[1]
+
+
+@tiled_forward.register_vmap
+def _(info, in_dims, q, k, v, mask, bias, seed, *rest):
+    if in_dims[5] is not None:
+        raise NotImplementedError("qkv: vmap over a batch of dropout seeds is not supported")
+    size, batch = info.batch_size, _batch_of(q, in_dims[0])
+    tensors = (q, k, v, mask, bias)
+    folded = [_fold(x, d, size, batch) for x, d in zip(tensors, in_dims[:5], strict=True)]
+    outs = tiled_forward(*folded, seed, *rest)
+    return tuple(_unfold(o, size) for o in outs), (0, 0, 0, 0)
+
+
+@tiled_backward.register_vmap
+def _(info, in_dims, q, k, v, mask, bias, seed, row_max, row_sum, dout, dlse, *rest):
+    if in_dims[5] is not None:
+        raise NotImplementedError("qkv: vmap over a batch of dropout seeds is not supported")
+    size, batch = info.batch_size, _batch_of(q, in_dims[0])
+    tensors = (q, k, v, mask, bias)
+    folded = [_fold(x, d, size, batch) for x, d in zip(tensors, in_dims[:5], strict=True)]
+    stats = [
+        _fold(x, d, size, batch)
+        for x, d in zip((row_max, row_sum, dout, dlse), in_dims[6:10], strict=True)
+    ]
+    outs = tiled_backward(*folded, seed, *stats, *rest)
+    return tuple(_unfold(o, size) for o in outs), (0, 0, 0)
+
+
+def attention(
+    plan: AttentionPlan, tiling: Tiling, cfg: FusedStrips | None, q, k, v
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out, lse)` of a plan without a score modifier, through the custom op."""
+    seed = plan.dropout_seed
+    if seed is not None and not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(seed, dtype=torch.int64, device=q.device)
+    # Without a gradient, the op alone (Function.apply binds its arguments on every call).
+    call = TiledAttention.apply if plan.wants_grad else tiled_forward
+    out, lse, _, _ = call(
+        q,
+        k,
+        v,
+        plan.mask,
+        plan.bias,
+        seed,
+        plan.scale,
+        plan.causal,
+        plan.dropout_p,
+        plan.finite_inputs,
+        plan.wants_grad,
+        handle(plan.mask_rule),
+        handle(plan.layout),
+        [tiling.block_q, tiling.block_k, tiling.max_rows, tiling.max_cols],
+        [] if cfg is None else [cfg.rows, cfg.waste, cfg.wide, cfg.budget, cfg.mask_cache],
+    )
+    return out, lse

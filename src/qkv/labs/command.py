@@ -1,0 +1,67 @@
+"""`qkv lab NAME`: run one of the chapter's labs, print its answer, write its figure and JSON.
+
+    qkv lab rnn                      # quick (the default): about a minute on 2 cores
+    qkv lab scale --full --lang zh   # the longer run, its answer in Chinese
+    qkv lab routing --json -         # stdout: the JSON document alone (the answer on stderr)
+
+Outputs (`--json`, `--out`) are checked before the lab runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+from ..inspect.outputs import STDOUT, check_file, check_folder, say_to, write_json
+from . import LABS
+from .common import LANGS
+
+SEED_MAX = 2**32 - 1
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"the seed must be in 0..2**32-1, got {value}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=LABS, help="which lab: " + ", ".join(LABS))
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the short run (default)")
+    size.add_argument("--full", action="store_true", help="the longer run, smoother curves")
+    p.add_argument("--lang", choices=LANGS, default="en", help="en or zh (Chinese)")
+    p.add_argument("--json", metavar="FILE", help="write the measurements as JSON ('-': stdout)")
+    p.add_argument("--out", default="qkv-lab", help="folder for the figure NAME.png")
+    p.add_argument("--no-files", action="store_true", help="print only; write no figure")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.json:
+        check_file(args.json, "--json", allow_stdout=True)
+    out = None if args.no_files else check_folder(args.out, "--out")
+    if out is not None:
+        from ..inspect.figures import new_figure
+
+        new_figure(1, 1)  # matplotlib missing: say so now (exit 1), not after the run
+    lab = importlib.import_module(f"qkv.labs.{args.name}")
+    preset = lab.FULL if args.full else lab.QUICK
+    say = say_to(args.json)
+    doc = lab.run(preset, seed=args.seed, progress=not args.no_progress)
+    say(lab.summary(doc, args.lang))
+    if args.json:
+        write_json(doc, args.json, indent=1)
+        if args.json != STDOUT:
+            say(f"measurements: {args.json}")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        path = Path(out) / f"{args.name}.png"
+        lab.figure(doc, path)
+        say(f"figure: {path}")

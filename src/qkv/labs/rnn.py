@@ -1,0 +1,437 @@
+"""`qkv lab rnn`: the two pains of RNNs that attention removes, measured.
+
+1. Parallelism. Forward+backward time of a one-layer `torch.nn.LSTM` and of one qkv
+   self-attention layer (`qkv.nn.SelfAttention`) of the same width, over N, on all of torch's
+   threads and on one. The LSTM needs N sequential steps (h_t needs h_{t−1}); attention is a
+   few matrix products over all positions at once, so more cores can share its work.
+2. Long-range memory. A tiny LSTM and a tiny attention model (`recall.AttentionReader`) with
+   about the same number of parameters, trained for the same steps on the same batches of the
+   recall task (`qkv.labs.recall`), then tested at each distance d between the answer and the
+   question, over several seeds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..nn import SelfAttention
+from . import recall
+from .common import Progress, machine, pick, threads, verdict
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How much `qkv lab rnn` measures."""
+
+    ns: tuple[int, ...]  # sequence lengths timed
+    width: int  # width of the timed LSTM and attention layer
+    repeats: int  # timing: best of this many runs after a warm-up (fewer past 2 s)
+    budget_s: float  # timing: no new N is started once the timing has taken this long
+    distances: tuple[int, ...]  # recall: distances tested (training covers 1..max)
+    seeds: int  # recall: independent trainings of each model
+    steps: int  # recall: training steps of each model (batch 32)
+    d_model: int  # recall: width of the attention model; the LSTM gets the same parameters
+    samples: int  # recall: test sequences per distance
+
+
+QUICK = Preset(
+    ns=(64, 128, 256, 512, 1024, 2048, 4096),
+    width=64,
+    repeats=2,
+    budget_s=20.0,
+    distances=(4, 8, 16, 32, 64, 128, 256),
+    seeds=2,
+    steps=1000,
+    d_model=64,
+    samples=256,
+)
+FULL = Preset(
+    ns=(64, 128, 256, 512, 1024, 2048, 4096, 8192),
+    width=64,
+    repeats=5,
+    budget_s=120.0,
+    distances=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+    seeds=4,
+    steps=4000,
+    d_model=64,
+    samples=1000,
+)
+TASK = recall.Task(keys=4, values=8)
+# Adam's learning rate for each model: the LSTM learns faster with the larger one; attention
+# trains in a few hundred steps at the smaller one and can diverge at the larger one.
+LR = {"attention": 3e-3, "lstm": 1e-2}
+LEARNED = 0.1  # a model "has learned" once its loss, averaged over 50 steps, falls below this
+WINDOW = 50  # steps per point of the logged loss curves
+
+
+# --------------------------------------------------------------------------- parallelism
+
+
+CALL_CAP_S = 2.0  # after this long on one measurement, no further repeats
+
+
+def _time(fn, repeats: int) -> float:
+    """Best of `repeats` timed runs after a warm-up, in ms; at least one timed run, no more
+    once the measurement has taken `CALL_CAP_S` (a busy machine can make a call take seconds)."""
+    start = time.perf_counter()
+    fn()  # warm-up
+    best = float("inf")
+    for i in range(repeats):
+        if i and time.perf_counter() - start > CALL_CAP_S:
+            break
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def time_layers(n: int, width: int, repeats: int, seed: int = 0) -> tuple[float, float]:
+    """Best forward+backward milliseconds of (LSTM, attention) on one sequence `(1, n, width)`."""
+    torch.manual_seed(seed)
+    lstm = nn.LSTM(width, width, batch_first=True)
+    attn = SelfAttention(width, width)
+    x = torch.randn(1, n, width, requires_grad=True)
+
+    def run_lstm():
+        lstm(x)[0].sum().backward()
+
+    def run_attn():
+        attn(x).sum().backward()
+
+    return _time(run_lstm, repeats), _time(run_attn, repeats)
+
+
+def parallel(preset: Preset, bar: Progress) -> tuple[list[dict], list[int]]:
+    """One record per N: time on all threads and on one, and the sequential steps of each;
+    and the lengths not started because the time budget was spent."""
+    all_threads = torch.get_num_threads()
+    rows: list[dict] = []
+    skipped: list[int] = []
+    start = time.perf_counter()
+    for n in preset.ns:
+        bar.step()
+        if rows and time.perf_counter() - start > preset.budget_s:
+            skipped.append(n)
+            continue
+        lstm_ms, attn_ms = time_layers(n, preset.width, preset.repeats)
+        with threads(1):
+            lstm_1, attn_1 = time_layers(n, preset.width, preset.repeats)
+        rows.append(
+            {
+                "n": n,
+                "lstm_ms": lstm_ms,
+                "attention_ms": attn_ms,
+                "lstm_steps": n,  # h_t needs h_{t-1}: one step per position
+                "attention_steps": 1,  # every position at once
+                "threads": all_threads,
+                "lstm_ms_one_thread": lstm_1,
+                "attention_ms_one_thread": attn_1,
+            }
+        )
+    return rows, skipped
+
+
+# --------------------------------------------------------------------------- recall
+
+
+def loss_curve(losses: list[float]) -> list[float]:
+    """The mean loss of each run of `WINDOW` steps."""
+    return [
+        sum(losses[i : i + WINDOW]) / len(losses[i : i + WINDOW])
+        for i in range(0, len(losses), WINDOW)
+    ]
+
+
+def learned_at(losses: list[float]) -> int | None:
+    """The first step at which the mean loss of the last `WINDOW` steps is below `LEARNED`."""
+    total = 0.0
+    for i, loss in enumerate(losses):
+        total += loss - (losses[i - WINDOW] if i >= WINDOW else 0.0)
+        if i + 1 >= WINDOW and total / WINDOW < LEARNED:
+            return i + 1
+    return None
+
+
+def recall_curves(preset: Preset, seed: int, bar: Progress) -> dict:
+    """Accuracy against distance of both models, averaged over seeds (and per seed), with the
+    models' sizes and each training's loss curve."""
+    length = max(preset.distances) + 1
+    acc: dict[str, list[list[float]]] = {"attention": [], "lstm": []}
+    curves: dict[str, list[list[float]]] = {"attention": [], "lstm": []}
+    learned: dict[str, list[int | None]] = {"attention": [], "lstm": []}
+    sizes: dict[str, dict] = {}
+    for s in range(preset.seeds):
+        torch.manual_seed(seed * 1000 + s)
+        attention = recall.AttentionReader(TASK.width, preset.d_model, TASK.values)
+        budget = recall.parameters(attention)
+        hidden = recall.lstm_hidden_for(budget, TASK.width, TASK.values)
+        lstm = recall.LSTMReader(TASK.width, hidden, TASK.values)
+        sizes = {
+            "attention": {"params": budget, "d_model": preset.d_model},
+            "lstm": {"params": recall.parameters(lstm), "hidden": hidden},
+        }
+        for name, model in (("attention", attention), ("lstm", lstm)):
+            data = torch.Generator().manual_seed(seed * 1000 + s)  # the same batches for both
+            losses = recall.train(
+                model,
+                TASK,
+                preset.steps,
+                max_length=length,
+                lr=LR[name],
+                generator=data,
+                on_step=lambda *_: bar.step(),
+            )
+            curves[name].append(loss_curve(losses))
+            learned[name].append(learned_at(losses))
+            test = torch.Generator().manual_seed(10**6 + seed * 1000 + s)
+            acc[name].append(
+                [
+                    recall.accuracy(
+                        model, TASK, d, length=length, samples=preset.samples, generator=test
+                    )
+                    for d in preset.distances
+                ]
+            )
+    rows = []
+    for i, d in enumerate(preset.distances):
+        lstm_runs = [run[i] for run in acc["lstm"]]
+        attn_runs = [run[i] for run in acc["attention"]]
+        rows.append(
+            {
+                "distance": d,
+                "lstm_acc": sum(lstm_runs) / len(lstm_runs),
+                "attention_acc": sum(attn_runs) / len(attn_runs),
+                "lstm_acc_by_seed": lstm_runs,
+                "attention_acc_by_seed": attn_runs,
+            }
+        )
+    training = {"every": WINDOW, "learned_below": LEARNED, "loss": curves, "learned_at": learned}
+    return {"recall": rows, "models": sizes, "training": training}
+
+
+def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict:
+    """Both measurements; returns the JSON document (see the module docstring)."""
+    started, before = time.perf_counter(), machine()
+    total = len(preset.ns) + 2 * preset.seeds * preset.steps
+    bar = Progress(total, "qkv lab rnn", progress)
+    try:
+        rows, skipped = parallel(preset, bar)
+        timed = time.perf_counter()
+        with threads(1):
+            memory = recall_curves(preset, seed, bar)
+    finally:
+        bar.close()
+    done = time.perf_counter()
+    length = max(preset.distances) + 1
+    return {
+        "lab": "rnn",
+        "machine": {**before, "load_1min_after": machine()["load_1min"]},
+        "preset": asdict(preset),
+        "seed": seed,
+        "parallel": rows,
+        "parallel_skipped": skipped,  # lengths not timed: the time budget was spent
+        **memory,
+        "task": {
+            **asdict(TASK),
+            "chance": 1 / TASK.values,
+            "test_length": length,
+            "train_lengths": [min(8, length), length],
+            "batch": 32,
+            "lr": LR,
+        },
+        "seconds": done - started,
+        "seconds_parallel": timed - started,
+        "seconds_recall": done - timed,
+    }
+
+
+# --------------------------------------------------------------------------- the answer
+
+TEXT = {
+    "en": {
+        "title": "RNN vs attention ({seconds:.0f} s)",
+        "par": "1. Parallelism: forward+backward of one layer of width {width}, one sequence",
+        "par_head": "  {n:>6} {lstm:>12} {attn:>14} {steps:>16}",
+        "par_cols": ("N", "LSTM", "attention", "steps LSTM/attn"),
+        "par_threads": (
+            "  on {threads} threads vs 1 at N={n}: the LSTM ran {lstm:.2f}× as fast, "
+            "attention {attn:.2f}× as fast (load average {load} on {cores} cores)"
+        ),
+        "par_claim": (
+            "  claim: an RNN cannot use parallel hardware, attention can → {verdict} "
+            "(rule: attention ≥ {need}× as fast on all threads, the LSTM less)"
+        ),
+        "par_one": "  (torch runs on 1 thread here: no parallel speed-up to compare)",
+        "par_skipped": "  not timed: N = {ns} (the timing's budget of {budget:.0f} s was spent)",
+        "rec": (
+            "2. Recall at distance d: {keys} keys, {values} values (chance {chance:.0%}), "
+            "{steps} training steps, {seeds} seed(s), {samples} test sequences of {length} "
+            "positions per d"
+        ),
+        "rec_models": "  attention: {ap} parameters (d_model {dm}); LSTM: {lp} parameters "
+        "(hidden {h})",
+        "rec_cols": ("d", "LSTM", "attention"),
+        "rec_learned": "  training step at which the loss fell below {below} (per seed; — never): "
+        "attention {attn}; LSTM {lstm}",
+        "rec_claim": (
+            "  claim: the LSTM's accuracy falls with distance while attention stays near "
+            "100% → {verdict} (LSTM {l0:.0%} at d={d0}, {l1:.0%} at d={d1}; attention "
+            "{amin:.0%} at worst; rule: attention ≥ 95% everywhere, the LSTM ≥ 10 points lower "
+            "at the longest distance than at the shortest)"
+        ),
+    },
+    "zh": {
+        "title": "RNN 与注意力（{seconds:.0f} 秒）",
+        "par": "1. 并行性：宽度 {width} 的单层前向+反向，一条序列",
+        "par_head": "  {n:>6} {lstm:>12} {attn:>14} {steps:>16}",
+        "par_cols": ("N", "LSTM", "注意力", "串行步数 LSTM/注意力"),
+        "par_threads": (
+            "  N={n} 时 {threads} 个线程对比 1 个："
+            "LSTM 快了 {lstm:.2f} 倍，注意力快了 {attn:.2f} 倍"
+        ),
+        "par_claim": (
+            "  论断：RNN 用不上并行硬件，注意力可以 → {verdict}（多线程对注意力的加速大于对 LSTM）"
+        ),
+        "par_one": "  （这里 torch 只用 1 个线程，无法比较并行加速）",
+        "par_skipped": "  未计时：N = {ns}（计时预算 {budget:.0f} 秒已用完）",
+        "rec": (
+            "2. 距离 d 处的回忆：{keys} 个键，{values} 个值（随机猜对 {chance:.0%}），"
+            "训练 {steps} 步，{seeds} 个随机种子，每个 d 测试 {samples} 条长度 {length} 的序列"
+        ),
+        "rec_models": "  注意力：{ap} 个参数（d_model {dm}）；LSTM：{lp} 个参数（隐藏层 {h}）",
+        "rec_cols": ("d", "LSTM", "注意力"),
+        "rec_learned": (
+            "  损失降到 {below} 以下时的训练步数（每个种子；— 表示没有）："
+            "注意力 {attn}；LSTM {lstm}"
+        ),
+        "rec_claim": (
+            "  论断：LSTM 的准确率随距离下降，注意力保持接近 100% → {verdict}"
+            "（LSTM 在 d={d0} 为 {l0:.0%}，在 d={d1} 为 {l1:.0%}；注意力最低 {amin:.0%}；"
+            "规则：注意力处处 ≥ 95%，LSTM 在最远距离比最近距离至少低 10 个百分点）"
+        ),
+    },
+}
+
+
+SPEEDUP = 1.25  # "uses parallel hardware": at least this much faster on all threads than on one
+
+
+def claims(doc: dict) -> dict[str, bool | None]:
+    """Whether each claim held in this run, by the rules the summary states.
+
+    parallel: at the largest N, attention ran at least 1.25× faster on all threads than on one,
+    and the LSTM gained less (None on one thread). recall: attention ≥ 95% at every distance,
+    and the LSTM lost at least 10 points from the shortest distance to the longest."""
+    last = doc["parallel"][-1]
+    par = None
+    if last["threads"] > 1:
+        speed_lstm = last["lstm_ms_one_thread"] / last["lstm_ms"]
+        speed_attn = last["attention_ms_one_thread"] / last["attention_ms"]
+        par = speed_attn >= SPEEDUP and speed_lstm < speed_attn
+    rec = doc["recall"]
+    attn_ok = min(r["attention_acc"] for r in rec) >= 0.95
+    lstm_falls = rec[0]["lstm_acc"] - rec[-1]["lstm_acc"] >= 0.10
+    return {"parallel": par, "recall": attn_ok and lstm_falls}
+
+
+def summary(doc: dict, lang: str = "en") -> str:
+    """The measurements and the chapter's claims, in English (`en`) or Chinese (`zh`)."""
+    t = pick(TEXT, lang)
+    held = claims(doc)
+    p = doc["preset"]
+    lines = [t("title", seconds=doc["seconds"]), t("par", width=p["width"])]
+    cols = TEXT[lang]["par_cols"]
+    lines.append(t("par_head", n=cols[0], lstm=cols[1], attn=cols[2], steps=cols[3]))
+    for r in doc["parallel"]:
+        lines.append(
+            t(
+                "par_head",
+                n=r["n"],
+                lstm=f"{r['lstm_ms']:.1f} ms",
+                attn=f"{r['attention_ms']:.1f} ms",
+                steps=f"{r['lstm_steps']}/{r['attention_steps']}",
+            )
+        )
+    if doc["parallel_skipped"]:
+        ns = ", ".join(str(n) for n in doc["parallel_skipped"])
+        lines.append(t("par_skipped", ns=ns, budget=p["budget_s"]))
+    last = doc["parallel"][-1]
+    if held["parallel"] is None:
+        lines.append(t("par_one"))
+    else:
+        lines.append(
+            t(
+                "par_threads",
+                threads=last["threads"],
+                n=last["n"],
+                lstm=last["lstm_ms_one_thread"] / last["lstm_ms"],
+                attn=last["attention_ms_one_thread"] / last["attention_ms"],
+                load=doc["machine"]["load_1min"],
+                cores=doc["machine"]["cores"],
+            )
+        )
+        lines.append(t("par_claim", verdict=verdict(held["parallel"], lang), need=SPEEDUP))
+    task, m = doc["task"], doc["models"]
+    lines.append(
+        t(
+            "rec",
+            keys=task["keys"],
+            values=task["values"],
+            chance=task["chance"],
+            steps=p["steps"],
+            seeds=p["seeds"],
+            samples=p["samples"],
+            length=task["test_length"],
+        )
+    )
+    lines.append(
+        t(
+            "rec_models",
+            ap=m["attention"]["params"],
+            dm=m["attention"]["d_model"],
+            lp=m["lstm"]["params"],
+            h=m["lstm"]["hidden"],
+        )
+    )
+    cols = TEXT[lang]["rec_cols"]
+    lines.append(f"  {cols[0]:>6} {cols[1]:>8} {cols[2]:>10}")
+    for r in doc["recall"]:
+        lines.append(f"  {r['distance']:>6} {r['lstm_acc']:>8.1%} {r['attention_acc']:>10.1%}")
+    tr = doc["training"]
+
+    def steps(runs: list[int | None]) -> str:
+        return ", ".join("—" if x is None else str(x) for x in runs)
+
+    lines.append(
+        t(
+            "rec_learned",
+            below=tr["learned_below"],
+            attn=steps(tr["learned_at"]["attention"]),
+            lstm=steps(tr["learned_at"]["lstm"]),
+        )
+    )
+    rec = doc["recall"]
+    lines.append(
+        t(
+            "rec_claim",
+            verdict=verdict(held["recall"], lang),
+            d0=rec[0]["distance"],
+            l0=rec[0]["lstm_acc"],
+            d1=rec[-1]["distance"],
+            l1=rec[-1]["lstm_acc"],
+            amin=min(r["attention_acc"] for r in rec),
+        )
+    )
+    return "\n".join(lines)
+
+
+def figure(doc: dict, path: str | Path | None = None):
+    """The lab's PNG (`qkv.labs.figures.rnn`); returns the matplotlib Figure."""
+    from .figures import rnn as draw
+
+    return draw(doc, path)

@@ -1,0 +1,473 @@
+"""The block layout: which tiles of the (Nq × Nk) score matrix a kernel computes, and how.
+
+The score matrix is cut into `block_q × block_k` tiles. A tile is EMPTY (nothing allowed: never
+computed), FULL (everything allowed: no mask arithmetic) or PARTIAL (the rule is evaluated per
+pair, by `allowed`). This module is the one place that works tile kinds out, from whatever the
+caller passed: the causal flag, a structured `qkv.masks.Mask` (varlen offsets arrive as
+`masks.varlen`), a bool mask tensor. A float bias never empties a tile: its −inf entries are
+applied per pair by the kernels.
+
+`BlockLayout` holds only the kept tiles, as compressed rows (forward: the kept key tiles of each
+query tile) and compressed columns (backward: the kept query tiles of each key tile), so it is
+O(kept tiles), never O((N/tile)²): a rule that knows which keys a tile of queries may reach
+(`Mask.key_ranges`) is asked about those tiles only; one that does not (a custom function, a
+dense tensor) is examined tile by tile. A tile is EMPTY only if it is empty for every batch
+element and head, FULL only if full for all of them.
+
+`layout_for(plan, ...)` keeps the layouts of a Mask in qkv's cache, held against the Mask
+weakly, so a training loop builds each once; `block_layout(...)` builds one to hold, as
+FlexAttention users hold a `BlockMask`, and `qkv.attention(..., mask=layout)` runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import CACHE
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+CHUNK = 1 << 22  # pairs evaluated at once when a rule or tensor is examined tile by tile
+
+
+def tile_grid(
+    nq: int, nk: int, block_q: int, block_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inclusive position ranges of every tile: q_lo, q_hi `(nqb,)` (in key coordinates,
+    bottom-right aligned: query row i is position i + Nk − Nq) and k_lo, k_hi `(nkb,)`."""
+    nqb, nkb = -(-nq // block_q), -(-nk // block_k)
+    rows0 = torch.arange(nqb) * block_q
+    cols0 = torch.arange(nkb) * block_k
+    off = nk - nq
+    q_lo, q_hi = rows0 + off, torch.clamp(rows0 + block_q, max=nq) - 1 + off
+    k_lo, k_hi = cols0, torch.clamp(cols0 + block_k, max=nk) - 1
+    return q_lo, q_hi, k_lo, k_hi
+
+
+def classify(maybe_any: torch.Tensor, surely_all: torch.Tensor) -> torch.Tensor:
+    """Tile kinds (int8) from bounds: EMPTY where nothing may be allowed, FULL where everything
+    surely is, PARTIAL otherwise."""
+    kind = torch.full(maybe_any.shape, PARTIAL, dtype=torch.int8)
+    kind[surely_all & maybe_any] = FULL
+    kind[~maybe_any] = EMPTY
+    return kind
+
+
+# ------------------------------------------------------------------------- what to evaluate
+
+
+def allowed(
+    b: torch.Tensor,
+    h: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    *,
+    q_len: int,
+    kv_len: int,
+    causal: bool = False,
+    rule: Any = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Which pairs (query row, key) may attend: the causal rule (bottom-right), a Mask's rule
+    and a bool mask `(B|1, H|1, Nq|1, Nk|1)`, combined by "and". All index arguments are
+    broadcastable int64 tensors; None when nothing restricts the pairs."""
+    ok = None
+    if causal:
+        ok = cols <= rows + (kv_len - q_len)
+    if rule is not None:
+        r = rule.evaluate(b, h, rows, cols, q_len, kv_len)
+        ok = r if ok is None else ok & r
+    if mask is not None:
+        idx = (
+            b if mask.shape[0] > 1 else 0,
+            h if mask.shape[1] > 1 else 0,
+            rows if mask.shape[2] > 1 else 0,
+            cols if mask.shape[3] > 1 else 0,
+        )
+        m = mask[idx]
+        ok = m if ok is None else ok & m
+    return ok
+
+
+# --------------------------------------------------------------------------------- the layout
+
+
+@dataclass(frozen=True)
+class Run:
+    """Keys [start, stop) of a strip, computed as one product."""
+
+    start: int  # first key (element index)
+    stop: int  # one past the last
+    partial: tuple[tuple[int, int], ...]  # key ranges inside the run that need the mask
+
+
+@dataclass(frozen=True)
+class Strip:
+    """A band of query rows and the runs of keys it computes, left to right."""
+
+    start: int  # first query row
+    stop: int  # one past the last
+    runs: tuple[Run, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockLayout:
+    """The kept tiles of one (Nq × Nk) problem for `block_q × block_k` tiles.
+
+    Forward order (compressed rows): the kept tiles of query tile r are
+    `col[row_ptr[r]:row_ptr[r+1]]`, ascending, FULL where `full`. Backward order (compressed
+    columns): those of key tile c are `by_col[col_ptr[c]:col_ptr[c+1]]`, indices into the
+    forward arrays, by ascending query tile."""
+
+    q_len: int  # Nq
+    kv_len: int  # Nk
+    block_q: int  # query rows per tile
+    block_k: int  # keys per tile
+    causal: bool  # built with bottom-right causality
+    row_ptr: torch.Tensor  # int64 (nqb + 1)
+    col: torch.Tensor  # int64 (nnz): the key tile of each kept tile
+    full: torch.Tensor  # bool (nnz)
+    col_ptr: torch.Tensor  # int64 (nkb + 1)
+    by_col: torch.Tensor  # int64 (nnz)
+    mask: Any = field(default=None, repr=False)  # the Mask, in a layout built to be held
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(query tiles, key tiles)."""
+        return -(-self.q_len // self.block_q), -(-self.kv_len // self.block_k)
+
+    @property
+    def nnz(self) -> int:
+        """Kept (computed) tiles."""
+        return self.col.numel()
+
+    @property
+    def kept_fraction(self) -> float:
+        """Fraction of all tiles that are computed (partial or full)."""
+        nqb, nkb = self.shape
+        return self.nnz / (nqb * nkb) if nqb * nkb else 0.0
+
+    @property
+    def bytes(self) -> int:
+        """Memory the layout holds."""
+        return sum(t.numel() * t.element_size() for t in self._arrays())
+
+    def _arrays(self) -> tuple[torch.Tensor, ...]:
+        return (self.row_ptr, self.col, self.full, self.col_ptr, self.by_col)
+
+    @property
+    def kind(self) -> torch.Tensor:
+        """The dense `(nqb, nkb)` int8 grid of kinds (for pictures and tests; O(tiles²))."""
+        nqb, nkb = self.shape
+        kind = torch.zeros(nqb * nkb, dtype=torch.int8)
+        kind[self.tile_rows() * nkb + self.col] = torch.where(self.full, FULL, PARTIAL).to(
+            torch.int8
+        )
+        return kind.view(nqb, nkb)
+
+    def tile_rows(self) -> torch.Tensor:
+        """int64 (nnz): the query tile of each kept tile (forward order)."""
+        return torch.repeat_interleave(torch.arange(self.shape[0]), self.row_ptr.diff())
+
+    def show(self) -> str:
+        """A text picture: '#' full, '+' partial, '.' empty tiles."""
+        chars = {EMPTY: ".", PARTIAL: "+", FULL: "#"}
+        return "\n".join("".join(chars[int(x)] for x in row) for row in self.kind)
+
+    @functools.cached_property
+    def _rows(self) -> list[list[tuple[int, bool]]]:
+        cols, full, ptr = self.col.tolist(), self.full.tolist(), self.row_ptr.tolist()
+        return [list(zip(cols[a:b], full[a:b], strict=True)) for a, b in itertools.pairwise(ptr)]
+
+    def rows(self) -> list[list[tuple[int, bool]]]:
+        """Per query tile, its kept (key tile, full) pairs (Python lists, built once)."""
+        return self._rows
+
+    @functools.cached_property
+    def _strip_cache(self) -> dict:
+        return {}
+
+    def strips(self, max_rows: int, max_cols: int, waste: float = 1.125) -> list[Strip]:
+        """Query tiles grouped into strips (one taller product) and each strip's kept key
+        tiles into runs (one product each, cut at `max_cols` keys), built once per settings.
+
+        Consecutive query tiles merge while the strip stays within `max_rows` rows and the
+        union of their kept tiles is at most `waste` times what they keep on their own:
+        identical rows always merge (dense attention, the inside of a document); a sliding
+        window, whose rows are shifted copies, does not at the default. In a merged strip a
+        tile is full only if full in every row, kept if kept in any."""
+        key = (max_rows, max_cols, waste)
+        if key not in self._strip_cache:
+            self._strip_cache[key] = _strips(self, max_rows, max_cols, waste)
+        return self._strip_cache[key]
+
+    @functools.cached_property
+    def transposed(self) -> BlockLayout:
+        """The layout of the transposed problem (key tiles as rows), for by-column loops."""
+        rows = self.tile_rows()
+        return BlockLayout(
+            q_len=self.kv_len,
+            kv_len=self.q_len,
+            block_q=self.block_k,
+            block_k=self.block_q,
+            causal=self.causal,
+            row_ptr=self.col_ptr,
+            col=rows[self.by_col],
+            full=self.full[self.by_col],
+            col_ptr=self.row_ptr,
+            by_col=torch.argsort(self.by_col),
+            mask=self.mask,
+        )
+
+
+def _strips(layout: BlockLayout, max_rows: int, max_cols: int, waste: float) -> list[Strip]:
+    bq, bk, nq, nk = layout.block_q, layout.block_k, layout.q_len, layout.kv_len
+    rows_per_strip = max(1, max_rows // bq)
+    groups: list[list] = []  # [first tile row, last + 1, {key tile: full}, tiles kept alone]
+    for r, tiles in enumerate(layout.rows()):
+        if not tiles:  # a row of empty tiles: no strip, and it ends the one before
+            groups.append([r, r + 1, {}, 0])
+            continue
+        row = dict(tiles)
+        last = groups[-1] if groups else None
+        if last is not None and last[2] and last[1] - last[0] < rows_per_strip:
+            union = {c: last[2].get(c, False) and row.get(c, False) for c in last[2].keys() | row}
+            if len(union) * (last[1] - last[0] + 1) <= waste * (last[3] + len(tiles)):
+                last[1], last[2], last[3] = r + 1, union, last[3] + len(tiles)
+                continue
+        groups.append([r, r + 1, row, len(tiles)])
+    step = max(bk, (max_cols // bk) * bk)
+    out = []
+    for r0, r1, union, _ in groups:
+        if not union:
+            continue
+        cols = sorted(union)
+        runs = []
+        t = 0
+        while t < len(cols):
+            t1 = t
+            while t1 + 1 < len(cols) and cols[t1 + 1] == cols[t1] + 1:
+                t1 += 1
+            c0, c1 = cols[t] * bk, min((cols[t1] + 1) * bk, nk)
+            for a in range(c0, c1, step):
+                b = min(a + step, c1)
+                part = tuple(
+                    (u * bk, min((u + 1) * bk, nk))
+                    for u in range(a // bk, -(-b // bk))
+                    if not union[u]
+                )
+                runs.append(Run(a, b, _join(part)))
+            t = t1 + 1
+        out.append(Strip(r0 * bq, min(r1 * bq, nq), tuple(runs)))
+    return out
+
+
+def _join(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """Join touching ranges: fewer, larger mask operations."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------- building
+
+
+def build(
+    q_len: int,
+    kv_len: int,
+    block_q: int,
+    block_k: int,
+    *,
+    causal: bool = False,
+    rule: Any = None,
+    mask: torch.Tensor | None = None,
+    batch: int = 1,
+    heads: int = 1,
+) -> BlockLayout:
+    """The layout of an (Nq × Nk) problem: kept tiles under the causal flag, a Mask `rule`
+    and a bool `mask (B|1, H|1, Nq|1, Nk|1)`, combined by "and" (see the module docstring)."""
+    nqb, nkb = -(-q_len // block_q), -(-kv_len // block_k)
+    if nqb == 0 or nkb == 0:
+        return _from_tiles(q_len, kv_len, block_q, block_k, causal, *(_empty(),) * 3)
+    q_lo, q_hi, k_lo, k_hi = tile_grid(q_len, kv_len, block_q, block_k)
+    # Which key positions each query tile may reach: intervals (R, nqb), inclusive.
+    lo = torch.zeros(1, nqb, dtype=torch.long)
+    hi = torch.full((1, nqb), kv_len - 1, dtype=torch.long)
+    if causal:
+        lo, hi = _intersect(lo, hi, torch.zeros_like(q_hi)[None], q_hi[None])
+    if rule is not None:
+        reach = rule.key_ranges(q_lo, q_hi, kv_len)
+        if reach is not None:
+            lo, hi = _intersect(lo, hi, *reach)
+    rows, cols = _candidates(lo, hi, block_k, nkb)
+    # Classify the candidates: any/all over every (b, h) the rule or mask depends on.
+    maybe = torch.ones(rows.numel(), dtype=torch.bool)
+    surely = torch.ones(rows.numel(), dtype=torch.bool)
+    ql, qh, kl, kh = q_lo[rows], q_hi[rows], k_lo[cols], k_hi[cols]
+    if causal:
+        maybe &= kl <= qh
+        surely &= kh <= ql
+    if rule is not None and rule.has_bounds and rows.numel():
+        shape = (rule.batch or 1, rule.heads or 1, rows.numel())
+        bi = torch.arange(shape[0]).view(-1, 1, 1)
+        hi_ = torch.arange(shape[1]).view(1, -1, 1)
+        any_, all_ = (
+            torch.broadcast_to(x, shape).reshape(-1, rows.numel())
+            for x in rule.tile_bounds(bi, hi_, ql, qh, kl, kh, kv_len)
+        )
+        maybe &= any_.any(0)
+        surely &= all_.all(0)
+    scan = [] if rule is None or rule.has_bounds else [("rule", rule)]
+    if mask is not None:
+        scan.append(("mask", mask))
+    if scan and rows.numel():
+        s_any, s_all = _examine(rows, cols, block_q, block_k, q_len, kv_len, scan, maybe)
+        maybe &= s_any.flatten(1).any(1)
+        surely &= s_all.flatten(1).all(1)
+    keep = maybe
+    return _from_tiles(
+        q_len, kv_len, block_q, block_k, causal, rows[keep], cols[keep], (surely & maybe)[keep]
+    )
+
+
+def _empty() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.long)
+
+
+def _intersect(lo_a, hi_a, lo_b, hi_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Intervals (Ra, n) ∩ (Rb, n) → (Ra·Rb, n): every pairwise intersection."""
+    lo = torch.maximum(lo_a[:, None], lo_b[None]).reshape(-1, lo_a.shape[-1])
+    hi = torch.minimum(hi_a[:, None], hi_b[None]).reshape(-1, hi_a.shape[-1])
+    return lo, hi
+
+
+def _candidates(lo, hi, block_k: int, nkb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (query tile, key tile) pairs the intervals touch, each once, sorted."""
+    R, nqb = lo.shape
+    lo_t = lo.clamp(min=0) // block_k
+    hi_t = torch.minimum(hi // block_k, torch.tensor(nkb - 1))
+    count = (hi_t - lo_t + 1).clamp(min=0) * (hi >= lo) * (hi >= 0)
+    row = torch.arange(nqb).expand(R, nqb).reshape(-1)
+    count, lo_t = count.reshape(-1), lo_t.reshape(-1)
+    total = int(count.sum())
+    rows = torch.repeat_interleave(row, count, output_size=total)
+    starts = torch.repeat_interleave(lo_t, count, output_size=total)
+    first = torch.repeat_interleave(torch.cumsum(count, 0) - count, count, output_size=total)
+    cols = starts + torch.arange(total) - first
+    if R == 1:  # one interval a row: already sorted, each tile once
+        return rows, cols
+    keys = torch.unique(rows * nkb + cols)  # sorted: by row, then column
+    return keys // nkb, keys % nkb
+
+
+def _examine(rows, cols, bq, bk, nq, nk, scan, live) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(any, all)` bool `(T, Bm, Hm)` per candidate tile and (b, h), by evaluating rules
+    without bounds and bool tensors pair by pair, a chunk of tiles at a time (O(chunk)
+    memory); tiles not `live` (already known empty) are skipped and read False."""
+    B = max([obj.batch or 1 if kind == "rule" else obj.shape[0] for kind, obj in scan])
+    H = max([obj.heads or 1 if kind == "rule" else obj.shape[1] for kind, obj in scan])
+    n = rows.numel()
+    any_ = torch.zeros(n, B, H, dtype=torch.bool)
+    all_ = torch.zeros(n, B, H, dtype=torch.bool)
+    idx = live.nonzero().view(-1)
+    ar_q, ar_k = torch.arange(bq), torch.arange(bk)
+    b = torch.arange(B).view(1, -1, 1, 1, 1)
+    h = torch.arange(H).view(1, 1, -1, 1, 1)
+    per = max(1, CHUNK // (bq * bk * B * H))
+    for c0 in range(0, idx.numel(), per):
+        t = idx[c0 : c0 + per]
+        r = (rows[t, None] * bq + ar_q).view(-1, 1, 1, bq, 1)  # (T, 1, 1, bq, 1)
+        c = (cols[t, None] * bk + ar_k).view(-1, 1, 1, 1, bk)
+        inside = (r < nq) & (c < nk)
+        r, c = r.clamp(max=nq - 1), c.clamp(max=nk - 1)
+        ok = inside
+        for kind, obj in scan:
+            if kind == "rule":
+                ok = ok & obj.evaluate(b % (obj.batch or 1), h % (obj.heads or 1), r, c, nq, nk)
+            else:
+                ok = ok & allowed(b, h, r, c, q_len=nq, kv_len=nk, mask=obj.cpu())
+        ok = torch.broadcast_to(ok, (t.numel(), B, H, bq, bk))
+        any_[t] = ok.flatten(3).any(3)
+        all_[t] = (ok | ~inside).flatten(3).all(3)
+    return any_, all_
+
+
+def _from_tiles(nq, nk, bq, bk, causal, rows, cols, full) -> BlockLayout:
+    nqb, nkb = -(-nq // bq), -(-nk // bk)
+    row_ptr = torch.zeros(nqb + 1, dtype=torch.long)
+    row_ptr[1:] = torch.cumsum(torch.bincount(rows, minlength=nqb), 0)
+    by_col = torch.argsort(cols * max(nqb, 1) + rows)
+    col_ptr = torch.zeros(nkb + 1, dtype=torch.long)
+    col_ptr[1:] = torch.cumsum(torch.bincount(cols, minlength=nkb), 0)
+    return BlockLayout(nq, nk, bq, bk, causal, row_ptr, cols, full.to(torch.bool), col_ptr, by_col)
+
+
+# ------------------------------------------------------------------------------- front doors
+
+
+def layout_for(plan: Any, block_q: int, block_k: int) -> BlockLayout:
+    """The layout a kernel reads for a plan: a held `BlockLayout` the caller passed (rebuilt
+    for other tile sizes), else built and kept in qkv's cache per (Mask, shapes, tiles, causal)
+    for a Mask or plain problem; a bool mask tensor is read anew every call (its content may
+    change: pass `masks.from_tensor(t)` to keep its layout)."""
+    held = plan.layout
+    if held is not None and (held.block_q, held.block_k) == (block_q, block_k):
+        return held
+    rule, causal = plan.mask_rule, plan.causal
+    nq, nk = plan.q_len, plan.kv_len
+    if plan.mask is not None:
+        return build(nq, nk, block_q, block_k, causal=causal, rule=rule, mask=plan.mask)
+    key = ("layout", nq, nk, block_q, block_k, causal)
+    return CACHE.get(
+        key, lambda: build(nq, nk, block_q, block_k, causal=causal, rule=rule), owner=rule
+    )
+
+
+def block_layout(
+    mask: Any,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    causal: bool = False,
+    block_q: int = 64,
+    block_k: int = 64,
+) -> BlockLayout:
+    """Build the layout of a `qkv.masks.Mask` (None: dense) for an (Nq × Nk) problem, to hold
+    and pass as `qkv.attention(..., mask=layout)`: the tiles are worked out once, here."""
+    kv_len = q_len if kv_len is None else kv_len
+    if mask is not None:
+        mask.check(q_len, kv_len)
+    lay = build(q_len, kv_len, block_q, block_k, causal=causal, rule=mask)
+    held = BlockLayout(**{**lay.__dict__, "mask": mask})
+    held.rows()  # the kept tiles as Python lists, read here once, not by the kernel's call
+    return held
+
+
+def dense_kinds(rule: Any, nq: int, nk: int, block_q: int, block_k: int) -> torch.Tensor:
+    """int8 `(Bm, Hm, nqb, nkb)`: every tile's kind per batch element and head of a rule
+    (Bm, Hm = 1 where it does not depend on them); O(tiles²), for pictures and tests."""
+    q_lo, q_hi, k_lo, k_hi = tile_grid(nq, nk, block_q, block_k)
+    B, H = rule.batch or 1, rule.heads or 1
+    nqb, nkb = q_lo.numel(), k_lo.numel()
+    if rule.has_bounds:
+        bi = torch.arange(B).view(-1, 1, 1, 1)
+        hi = torch.arange(H).view(1, -1, 1, 1)
+        grid = (q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1))
+        grid += (k_lo.view(1, 1, 1, -1), k_hi.view(1, 1, 1, -1))
+        any_, all_ = rule.tile_bounds(bi, hi, *grid, nk)
+        shape = (B, H, nqb, nkb)
+        return classify(torch.broadcast_to(any_, shape), torch.broadcast_to(all_, shape))
+    rows = torch.arange(nqb).repeat_interleave(nkb)
+    cols = torch.arange(nkb).repeat(nqb)
+    live = torch.ones(rows.numel(), dtype=torch.bool)
+    any_, all_ = _examine(rows, cols, block_q, block_k, nq, nk, [("rule", rule)], live)
+    kind = classify(any_, all_)  # (nqb·nkb, B, H)
+    return kind.permute(1, 2, 0).reshape(B, H, nqb, nkb)

@@ -1,0 +1,142 @@
+"""The house rules, read from the code: imports flow down the layers, nothing reaches into
+another module's private names, `nn` never imports `distributed`, tile kinds are worked out in
+one module, and `import qkv` stays light while its submodules are one attribute away."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "qkv"
+
+# A module may import modules of its own layer or below, never above.
+LAYERS = {
+    "cache": 0, "numerics": 0, "dropout": 0, "layout": 0, "masks": 0, "scores": 0, "plan": 0,
+    "reference": 1, "kernels": 1,
+    "dispatch": 2, "functional": 2, "varlen": 2,
+    "nn": 3,
+    "distributed": 4, "integrations": 4, "inspect": 4, "labs": 4, "vision": 4, "examples": 4,
+    "cli": 5, "__init__": 5, "__main__": 5,
+}  # fmt: skip
+
+
+def _modules():
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("")
+        yield path, rel.parts
+
+
+def _top(parts: tuple[str, ...]) -> str:
+    return parts[0]
+
+
+def _imports(path: Path, parts: tuple[str, ...]):
+    """(qkv module parts imported, names taken from it, node) for every import in a file."""
+    package = parts[:-1]  # a module's package; an __init__'s package is its own directory
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                target = (*base, *(node.module.split(".") if node.module else ()))
+            elif node.module and node.module.split(".")[0] == "qkv":
+                target = tuple(node.module.split(".")[1:])
+            else:
+                continue
+            for alias in node.names:
+                yield target, alias.name, node
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "qkv":
+                    yield tuple(alias.name.split(".")[1:]), None, node
+
+
+def test_every_module_has_a_layer():
+    tops = {_top(parts) for _, parts in _modules()}
+    assert tops <= set(LAYERS), sorted(tops - set(LAYERS))
+
+
+def test_imports_flow_down_the_layers():
+    upward = []
+    for path, parts in _modules():
+        me = LAYERS[_top(parts)]
+        for target, name, node in _imports(path, parts):
+            if not target:  # `from . import x` at the top level
+                target = (name,)
+            if target[0] not in LAYERS:
+                continue
+            if LAYERS[target[0]] > me:
+                upward.append(f"{'/'.join(parts)}:{node.lineno} imports qkv.{'.'.join(target)}")
+    assert not upward, "\n".join(upward)
+
+
+def test_nn_never_imports_distributed():
+    found = [
+        f"{'/'.join(parts)}:{node.lineno}"
+        for path, parts in _modules()
+        if parts[0] == "nn"
+        for target, name, node in _imports(path, parts)
+        if (target[:1] or (name,)) == ("distributed",)
+    ]
+    assert not found, found
+
+
+def test_no_module_takes_another_modules_private_names():
+    taken = []
+    for path, parts in _modules():
+        for target, name, node in _imports(path, parts):
+            if name is None or not name.startswith("_") or name.startswith("__"):
+                continue
+            # `from . import _comm`: a private module of the importer's own package is fine
+            same_package = tuple(target) == tuple(parts[:-1])
+            if same_package and (SRC.joinpath(*target, f"{name}.py")).exists():
+                continue
+            taken.append(f"{'/'.join(parts)}:{node.lineno} takes {name} from {'.'.join(target)}")
+    assert not taken, "\n".join(taken)
+
+
+@pytest.mark.parametrize("attr", ["_rule", "_bounds", "_ranges", "_check"])
+def test_mask_internals_are_read_only_in_masks_py(attr):
+    readers = []
+    for path, parts in _modules():
+        if parts == ("masks",):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == attr:
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    continue  # an object's own attribute
+                readers.append(f"{'/'.join(parts)}:{node.lineno}")
+    assert not readers, readers
+
+
+def test_tile_kinds_are_worked_out_in_one_module():
+    # `classify` (EMPTY / PARTIAL / FULL from bounds) and the tile bounds themselves are
+    # called only from qkv/layout.py (masks.py defines the bounds).
+    callers = []
+    for path, parts in _modules():
+        if parts in {("layout",), ("masks",)}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if fname in {"classify", "tile_bounds", "key_ranges", "dense_kinds"}:
+                    callers.append(f"{'/'.join(parts)}:{node.lineno} calls {fname}")
+    assert not callers, callers
+
+
+def test_import_qkv_is_light_and_submodules_are_one_attribute_away():
+    code = (
+        "import sys, qkv\n"
+        "heavy = [m for m in ('transformers', 'matplotlib', 'triton', 'qkv.nn', "
+        "'qkv.distributed', 'qkv.inspect') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert qkv.nn.TransformerBlock and qkv.masks.causal and qkv.distributed.ring_attention\n"
+        "assert qkv.inspect.AttentionMap\n"
+        "assert 'nn' in dir(qkv)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
