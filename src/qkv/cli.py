@@ -284,7 +284,9 @@ COMMANDS: dict[str, Command] = {
     "tokens": Command(
         "how many tokens an image costs (Qwen2-VL, LLaVA-NeXT)", _tokens_args, _tokens
     ),
-    "build": Command("compile the CPU attention kernel now (else at first use)", _build_args, _build),
+    "build": Command(
+        "compile the CPU attention kernel now (else at first use)", _build_args, _build
+    ),
 }
 
 

@@ -1,16 +1,21 @@
-"""The block layout the compiled kernel reads (`qkv.kernels.cpu.layout`): the same tile kinds as
-`schedule.tile_kinds`, bits equal to the dense mask, a transposed list of the same tiles, and a
-build that works a band of rows at a time."""
+"""What the compiled kernel reads of the block layout (`qkv.kernels.cpu.layout`): the tiles of
+`qkv.layout.layout_for`, bits equal to the dense mask, a transposed list of the same tiles,
+O(kept tiles) memory, and qkv's cache."""
 
 from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from qkv import masks
+from qkv.cache import CACHE
 from qkv.kernels.cpu import layout as lay
-from qkv.kernels.schedule import tile_kinds
-from qkv.masks import EMPTY, FULL, PARTIAL
+from qkv.layout import EMPTY, FULL, PARTIAL, block_layout, layout_for
 from qkv.plan import make_plan
 
 from ..helpers import make_qkv
@@ -67,8 +72,8 @@ def _dense(L: lay.CpuLayout, bm: int, hm: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(PATTERNS))
 def test_kinds_and_bits_match_the_mask(name, bq, causal):
     plan = _plan(PATTERNS[name], causal)
-    L = lay.build_layout(plan, bq)
-    assert torch.equal(_kinds(L), tile_kinds(plan, bq, 64))
+    L = lay.kernel_layout(plan, bq)
+    assert torch.equal(_kinds(L), layout_for(plan, bq, 64).kind)
     bm, hm = L.bits.shape[1:3] if L.bits.numel() else (1, 1)
     want = torch.ones(bm, hm, 200, 200, dtype=torch.bool)
     if causal:
@@ -85,8 +90,8 @@ def test_a_bool_mask_tensor_and_nq_ne_nk():
     mask[:, :, :, 64:128] = True  # a column of FULL tiles
     mask[:, :, 10] = False
     plan = _plan(mask, True, nq=90, nk=150)
-    L = lay.build_layout(plan, 16)
-    assert torch.equal(_kinds(L), tile_kinds(plan, 16, 64))
+    L = lay.kernel_layout(plan, 16)
+    assert torch.equal(_kinds(L), layout_for(plan, 16, 64).kind)
     assert L.bits.shape[1:] == (2, 1, 16)
     want = mask[:, :, :, :] & torch.ones(90, 150, dtype=torch.bool).tril(150 - 90)
     assert torch.equal(_dense(L, 2, 1), want)
@@ -94,7 +99,7 @@ def test_a_bool_mask_tensor_and_nq_ne_nk():
 
 def test_the_transposed_list_holds_the_same_tiles_by_column():
     plan = _plan(PATTERNS["longformer"], True)
-    L = lay.build_layout(plan, 16)
+    L = lay.kernel_layout(plan, 16)
     rows = torch.repeat_interleave(torch.arange(L.row_ptr.numel() - 1), L.row_ptr.diff())
     by_row = sorted(zip(rows.tolist(), L.col_idx.tolist(), L.code.tolist(), strict=True))
     cols = torch.repeat_interleave(torch.arange(L.col_ptr.numel() - 1), L.col_ptr.diff())
@@ -103,49 +108,80 @@ def test_the_transposed_list_holds_the_same_tiles_by_column():
     assert by_col == sorted(by_col, key=lambda t: (t[1], t[0]))  # column by column, top down
 
 
-@pytest.mark.parametrize("name", ["longformer", "custom", "per-head"])
-def test_bands_give_the_same_layout(monkeypatch, name):
-    plan = _plan(PATTERNS[name], True)
-    whole = lay.build_layout(plan, 16)
-    monkeypatch.setattr(lay, "_BAND_TILES", 7)  # a few tile rows per band
-    monkeypatch.setattr(lay, "_BAND_ELEMENTS", 5000)  # a few tiles per bits chunk
-    banded = lay.build_layout(plan, 16)
+def test_bits_are_evaluated_a_chunk_of_tiles_at_a_time(monkeypatch):
+    plan = _plan(PATTERNS["custom"], True)
+    whole = lay.encode(plan, layout_for(plan, 16, 64))
+    monkeypatch.setattr(lay, "BITS_CHUNK", 5000)  # a few tiles per chunk
+    chunked = lay.encode(plan, layout_for(plan, 16, 64))
     for field in ("row_ptr", "col_idx", "code", "col_ptr", "row_idx", "code_t", "bits"):
-        assert torch.equal(getattr(whole, field), getattr(banded, field)), field
+        assert torch.equal(getattr(whole, field), getattr(chunked, field)), field
 
 
-def test_a_long_sliding_window_is_built_band_by_band(monkeypatch):
-    # N = 262144: 4096 × 4096 tiles, of which ~0.3% are kept. Every band classifies at most
-    # _BAND_TILES tiles, and what is kept is O(kept tiles).
-    n = 262144
-    plan = make_plan(
-        torch.empty(1, 1, n, 8, device="meta"),
-        torch.empty(1, 1, n, 8, device="meta"),
-        torch.empty(1, 1, n, 8, device="meta"),
-        mask=masks.sliding_window(256),
-    )
-    seen = []
-    real = lay._band_kinds
+MILLION = """
+import time, torch
+from qkv import masks
+from qkv.plan import make_plan
+from qkv.kernels.cpu import layout as lay
 
-    def spy(plan, r0, r1, bq, dims):
-        kind = real(plan, r0, r1, bq, dims)
-        seen.append(kind.numel())
-        return kind
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
 
-    monkeypatch.setattr(lay, "_band_kinds", spy)
-    L = lay.build_layout(plan, 64)
-    assert max(seen) <= lay._BAND_TILES and len(seen) > 1
+n = 1 << 20
+t = torch.empty(1, 1, n, 8, device="meta")
+plan = make_plan(t, t, t, mask=masks.sliding_window(256))
+before, start = hwm(), time.perf_counter()
+L = lay.kernel_layout(plan, 64)
+print(time.perf_counter() - start, hwm() - before, L.kept_tiles, L.partial_tiles,
+      tuple(L.bits.shape))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_million_token_sliding_window_builds_in_seconds_and_o_kept_tiles_memory():
+    # N = 1,048,576: 16384 × 16384 tiles, of which ~0.05% are kept. A fresh process, so its
+    # peak RSS (VmHWM) is this build's: the 64 rows × 8 bytes of bits of each PARTIAL tile
+    # (16 MiB here) and O(kept tiles) around it, never O(tiles²) (that would be 256 MiB a byte).
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(MILLION)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    seconds, grew, kept, partial, bits = res.stdout.split(maxsplit=4)
+    nt = (1 << 20) // 64
     # query tile i keeps key tiles i−4 … i+4, the outer two partial (clipped at the ends)
-    nt = n // 64
-    kept = sum(min(nt - 1, i + 4) - max(0, i - 4) + 1 for i in range(nt))
-    partial = sum((i - 4 >= 0) + (i + 4 < nt) for i in range(nt))
-    assert (L.kept_tiles, L.partial_tiles) == (kept, partial)
-    assert L.bits.shape == (partial, 1, 1, 64) and L.col_idx.numel() == kept
+    assert int(kept) == sum(min(nt - 1, i + 4) - max(0, i - 4) + 1 for i in range(nt))
+    assert int(partial) == sum((i - 4 >= 0) + (i + 4 < nt) for i in range(nt))
+    assert bits.strip() == f"({partial}, 1, 1, 64)"
+    assert float(seconds) < 30
+    assert int(grew) < 64 * 2**20
 
 
-def test_unmasked_layouts_are_cached_by_shape():
-    a = lay.build_layout(_plan(None, True), 64)
-    b = lay.build_layout(_plan(None, True), 64)
-    c = lay.build_layout(_plan(None, False), 64)
+def test_layouts_live_in_qkvs_cache():
+    CACHE.clear()
+    a = lay.kernel_layout(_plan(None, True), 64)
+    b = lay.kernel_layout(_plan(None, True), 64)
+    c = lay.kernel_layout(_plan(None, False), 64)
     assert a is b and a is not c
     assert c.partial_tiles == 0 and c.kept_tiles == 4 * 4
+    rule = masks.sliding_window(20)
+    d = lay.kernel_layout(_plan(rule, True), 64)
+    assert lay.kernel_layout(_plan(rule, True), 64) is d
+    entries = CACHE.info().entries
+    del rule, d  # the Mask's entries go with it
+    gc.collect()
+    assert CACHE.info().entries < entries
+
+
+def test_a_held_layout_is_read_as_it_is():
+    rule = masks.sliding_window(20) | masks.global_tokens([0, 77])
+    held = block_layout(rule, 200, causal=True, block_q=32)
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=200, Nk=200, D=8)
+    plan = make_plan(q, k, v, mask=held, causal=True)
+    assert layout_for(plan, 32, 64) is held
+    L = lay.kernel_layout(plan, 32)
+    assert torch.equal(L.row_ptr, held.row_ptr) and torch.equal(L.col_idx.long(), held.col)
+    assert torch.equal(
+        _dense(L, 1, 1)[0, 0],
+        rule.dense4(200, 200)[0, 0] & torch.ones(200, 200, dtype=torch.bool).tril(),
+    )

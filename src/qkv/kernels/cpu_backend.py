@@ -1,7 +1,8 @@
 """`cpu` backend: qkv's compiled block-sparse FlashAttention-2 for the CPU (C++, `kernels/cpu/`).
 
 The same algorithm as `tiled` (which stays the readable reference of it), compiled: the forward
-walks the kept `block_q × 64` tiles of the block layout (`cpu/layout.py`) row by row and saves
+walks the kept `block_q × 64` tiles of the block layout (`qkv.layout`, re-encoded with the
+PARTIAL tiles' bits by `cpu/layout.py`) row by row and saves
 each row's max m and denominator l; the backward walks them column by column and recomputes the
 probabilities from (m, l). EMPTY tiles are never computed, FULL tiles run with no mask
 arithmetic, PARTIAL tiles are masked by their bits. Grouped kv heads are read once per group;
@@ -181,7 +182,7 @@ class CpuBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        from .cpu import build_layout
+        from .cpu.layout import BLOCK_K, kernel_layout
 
         ops, isa, why = self._kernel()
         if why is None:
@@ -190,6 +191,9 @@ class CpuBackend:
             raise NotImplementedError(f"backend='cpu' cannot run this request: {why}")
         masked = plan.mask is not None or plan.mask_rule is not None
         bq = self.block_q or default_block_q(plan.groups, masked)
-        call = _Call(ops, plan, build_layout(plan, bq), isa, mods)
+        held = plan.layout
+        if self.block_q is None and held is not None and held.block_k == BLOCK_K:
+            bq = held.block_q  # the caller's layout is read as it is, not rebuilt
+        call = _Call(ops, plan, kernel_layout(plan, bq), isa, mods)
         out, lse = _CpuAttention.apply(q, k, v, call)
         return out, lse, None

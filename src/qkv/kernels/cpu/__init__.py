@@ -4,7 +4,7 @@
   algorithm, compiled once per instruction set by `isa_*.cpp` over `simd_*.h`);
 - `build.py`: builds them once per machine (at first use or with `qkv build`) and loads them;
 - `isa.py`: which instruction-set path runs (`QKV_CPU_ISA`);
-- `layout.py`: the block layout the kernel reads, built from a plan.
+- `layout.py`: what the kernel reads of `qkv.layout`'s block layout (and the PARTIAL tiles' bits).
 
 The backend that uses it is `qkv.kernels.cpu_backend.CpuBackend` (`backend="cpu"`). Importing
 this package builds and loads nothing.
@@ -12,6 +12,6 @@ this package builds and loads nothing.
 
 from .build import KernelUnavailable, build_dir, load, status
 from .isa import ISAS
-from .layout import CpuLayout, build_layout
+from .layout import CpuLayout, kernel_layout
 
-__all__ = ["ISAS", "CpuLayout", "KernelUnavailable", "build_dir", "build_layout", "load", "status"]
+__all__ = ["ISAS", "CpuLayout", "KernelUnavailable", "build_dir", "kernel_layout", "load", "status"]
