@@ -17,6 +17,13 @@ items pulled from a shared counter, so a busy core slows a call by its share onl
 even for B·H = 1; a few long rows (decoding: Nq ≤ 16 against a long KV cache) are split across
 threads and merged by their log-sum-exp.
 
+Masked-out keys are kept out of every row without the caller's `finite_inputs` promise, with no
+host sync: in PARTIAL tiles the mask selects −inf in place of the score (a NaN score of a
+masked key is replaced, never added to), keys past Nk are never loaded, and P·V runs a
+zero-skipping product for a V tile that holds NaN/inf (checked in the kernel while it reads the
+tile), so 0·NaN never reaches a row; the backward zeroes non-finite K/V entries of the tiles it
+packs. Fully masked rows give output 0, lse −inf and zero gradients.
+
 What it refuses (`why_not`), each with its reason: float64 (it computes in float32; tiled runs
 float64), returned weights, float masks (additive bias), score modifiers other than ALiBi and
 softcap (relative_bias has a learnable table; a Python modifier cannot be compiled), tensors not
