@@ -80,48 +80,22 @@ def _mods(plan: AttentionPlan) -> tuple[tuple[torch.Tensor | None, float, bool] 
     return (slopes, cap, after), None
 
 
-class _Call:
-    """One attention call as the ops see it: the plan's scalars, the layout, the ISA."""
+def kernel_status() -> tuple[str | None, str | None]:
+    """`(isa, None)`: the compiled kernel is loaded (built on first use) and runs that
+    instruction-set path; `(None, reason)` when it cannot run. torch.compile calls it while
+    tracing and keeps the answer as a constant of the graph (`QKV_CPU_ISA` is read then)."""
+    from . import cpu
 
-    def __init__(self, ops, plan: AttentionPlan, layout, isa: str, mods):
-        self.ops, self.plan, self.layout, self.isa = ops, plan, layout, isa
-        slopes, self.softcap, self.alibi_after = mods
-        self.slopes = None if slopes is None else slopes.to(torch.float32)
-        self.seed = plan.dropout_seed if plan.dropout_p > 0 else 0
-
-    def forward(self, q, k, v):
-        L, p = self.layout, self.plan
-        return self.ops.forward(
-            q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.block_q, p.scale, self.slopes,
-            self.softcap, self.alibi_after, p.dropout_p, self.seed, self.isa,
-        )  # fmt: skip
-
-    def backward(self, dout, dlse, q, k, v, out, m, l):
-        L, p = self.layout, self.plan
-        return self.ops.backward(
-            dout, dlse, q, k, v, out, m, l, L.col_ptr, L.row_idx, L.code_t, L.bits, L.block_q,
-            p.scale, self.slopes, self.softcap, self.alibi_after, p.dropout_p, self.seed,
-            self.isa,
-        )  # fmt: skip
+    try:
+        ops = cpu.load()
+    except cpu.KernelUnavailable as err:
+        return None, f"the compiled CPU kernel is unavailable: {err} (see `qkv build`)"
+    return cpu.isa.choose(ops)
 
 
-class _CpuAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, call):  # type: ignore[override]
-        out, m, l, lse = call.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, m, l)  # O(N·d): q, k, v, out; (m, l) per row
-        ctx.call = call
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, dlse):  # type: ignore[override]
-        q, k, v, out, m, l = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = ctx.call.backward(dout, dlse, q, k, v, out, m, l)
-        return dq, dk, dv, None
+# What `torch.compiler.assume_constant_result(kernel_status)` does, without importing
+# torch._dynamo at `import qkv` (as `tiled_op.handle` does).
+kernel_status._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class CpuBackend:
@@ -157,7 +131,7 @@ class CpuBackend:
         _, why = _mods(plan)
         if why is not None:
             return why
-        return self._kernel()[2]
+        return kernel_status()[1]
 
     def auto_skip(self, plan: AttentionPlan) -> str | None:
         """Why `auto` lets the next backend run a request this one could (None: it doesn't):
@@ -173,34 +147,32 @@ class CpuBackend:
             )
         return None
 
-    @staticmethod
-    def _kernel():
-        """`(ops, isa, None)` of the compiled kernel, or `(None, None, reason)`; builds it on
-        first use."""
-        from . import cpu
-
-        try:
-            ops = cpu.load()
-        except cpu.KernelUnavailable as err:
-            return None, None, f"the compiled CPU kernel is unavailable: {err} (see `qkv build`)"
-        isa, why = cpu.isa.choose(ops)
-        return (ops, isa, None) if why is None else (None, None, why)
-
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        from .cpu.layout import BLOCK_K, kernel_layout
+        from . import cpu_op
+        from .cpu.layout import BLOCK_K
+        from .tiled_op import handle
 
-        ops, isa, why = self._kernel()
+        isa, why = kernel_status()
         if why is None:
             mods, why = _mods(plan)
         if why is not None:
             raise NotImplementedError(f"backend='cpu' cannot run this request: {why}")
+        slopes, softcap, alibi_after = mods
         masked = plan.mask is not None or plan.mask_rule is not None
         bq = self.block_q or default_block_q(plan.groups, masked)
         held = plan.layout
         if self.block_q is None and held is not None and held.block_k == BLOCK_K:
             bq = held.block_q  # the caller's layout is read as it is, not rebuilt
-        call = _Call(ops, plan, kernel_layout(plan, bq), isa, mods)
-        out, lse = _CpuAttention.apply(q, k, v, call)
+        seed = plan.dropout_seed if plan.dropout_p > 0 else None
+        if seed is not None and not isinstance(seed, torch.Tensor):
+            seed = torch.tensor(seed, dtype=torch.int64)
+        # Without a gradient, the op alone (Function.apply binds its arguments on every call).
+        call = cpu_op.CpuAttention.apply if plan.wants_grad else cpu_op.cpu_forward
+        out, lse, _, _ = call(
+            q, k, v, plan.mask, seed, None if slopes is None else slopes.to(torch.float32),
+            plan.scale, plan.causal, plan.dropout_p, softcap, alibi_after,
+            handle(plan.mask_rule), handle(plan.layout), bq, isa,
+        )  # fmt: skip
         return out, lse, None
