@@ -20,6 +20,14 @@ BACKENDS = {
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 
+def cpu_kernel_or(name: str) -> str:
+    """What `auto` picks for a CPU request that torch SDPA cannot run: "cpu" (qkv's compiled
+    kernel) where it could be built, else `name`."""
+    from qkv.kernels import cpu
+
+    return "cpu" if cpu.status() is None else name
+
+
 def make_qkv(
     B=2,
     H=4,

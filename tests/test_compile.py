@@ -1,5 +1,6 @@
 """qkv inside torch.compile and torch.func: the tiled backend is a pair of custom ops
-(`qkv::tiled_forward`, `qkv::tiled_backward`), so a model traces through it in one graph."""
+(`qkv::tiled_forward`, `qkv::tiled_backward`), and so is the compiled CPU kernel
+(`qkv::cpu_forward`, `qkv::cpu_backward`), so a model traces through either in one graph."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import qkv
 from qkv import masks
 from qkv.kernels import TiledBackend
 
-from .helpers import assert_error_ratio, make_qkv
+from .helpers import assert_error_ratio, cpu_kernel_or, make_qkv
 
 SMALL = TiledBackend(16, 16, max_rows=16, max_cols=32)  # many tiles at these sizes
 
@@ -41,11 +42,11 @@ def _breaks(fn, *args) -> tuple[int, list[str]]:
     return ex.graph_break_count, [str(r.reason)[:300] for r in ex.break_reasons]
 
 
-@pytest.mark.parametrize("backend", ["tiled", SMALL, "auto"], ids=str)
+@pytest.mark.parametrize("backend", ["tiled", SMALL, "cpu", "auto"], ids=str)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_transformer_block_compiles_in_one_graph_with_eager_numbers(backend, causal):
+def test_transformer_block_compiles_in_one_graph_with_eager_numbers(backend, causal, n=40):
     blk = _block(backend)
-    x = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, n, 32, generator=torch.Generator().manual_seed(1))
     count, reasons = _breaks(lambda x: blk(x, causal=causal), x)
     assert count == 0, reasons
 
@@ -61,6 +62,28 @@ def test_transformer_block_compiles_in_one_graph_with_eager_numbers(backend, cau
     assert_error_ratio(got[0], eager[0], gold[0], what="output")
     for i, (g, e, r) in enumerate(zip(got[1], eager[1], gold[1], strict=True)):
         assert_error_ratio(g, e, r, what=f"gradient {i}")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_auto_picking_the_cpu_kernel_compiles_in_one_graph(causal):
+    # At N = 40 auto leaves these plain requests to torch SDPA (faster there); at N = 256 it
+    # picks "cpu", qkv's compiled kernel, where it could be built.
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=256, D=8, requires_grad=True)
+    assert qkv.dispatch(q, k, v, causal=causal).name == cpu_kernel_or("sdpa")
+    blk = _block("auto")
+    x = torch.randn(2, 256, 32, generator=torch.Generator().manual_seed(1))
+    count, reasons = _breaks(lambda x: blk(x, causal=causal), x)
+    assert count == 0, reasons
+
+    def f(q, k, v):
+        out, lse = qkv.attention(q, k, v, causal=causal, return_lse=True)
+        return out.square().sum() + lse.sum()
+
+    cf = torch.compile(f, fullgraph=True)
+    got = torch.autograd.grad(cf(q, k, v), (q, k, v))
+    want = torch.autograd.grad(f(q, k, v), (q, k, v))
+    for g, w in zip(got, want, strict=True):  # the same op on the same inputs: bit for bit
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_float64_compiled_matches_eager():
@@ -103,11 +126,12 @@ def test_dropout_seed_does_not_break_the_graph():
     ],
     ids=str,
 )
-def test_structured_masks_compile(mask):
+@pytest.mark.parametrize("backend", [SMALL, "cpu"], ids=str)
+def test_structured_masks_compile(mask, backend):
     q, k, v = make_qkv(B=1, H=2, Nq=33, D=8, requires_grad=True)
 
     def f(q, k, v):
-        return qkv.attention(q, k, v, mask=mask, backend=SMALL).sum()
+        return qkv.attention(q, k, v, mask=mask, backend=backend).sum()
 
     count, reasons = _breaks(f, q, k, v)
     assert count == 0, reasons
@@ -142,6 +166,19 @@ def test_torch_func_grad_and_vmap():
         torch.testing.assert_close(
             per_item[i], torch.func.grad(loss)(Q[i], K[i], V[i]), rtol=0, atol=1e-12
         )
+
+
+def test_torch_func_grad_through_the_cpu_kernel():
+    q, k, v = make_qkv(B=2, H=2, Nq=20, D=8)
+
+    def loss(q, k, v):
+        return qkv.attention(q, k, v, causal=True, backend="cpu").square().sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_torch_func_over_a_score_modifier_says_what_works():

@@ -7,7 +7,7 @@ import torch
 
 import qkv
 
-from .helpers import make_qkv
+from .helpers import cpu_kernel_or, make_qkv
 
 
 @pytest.fixture
@@ -18,8 +18,10 @@ def qkv3():
 def test_plain_request_goes_to_sdpa(qkv3):
     d = qkv.dispatch(*qkv3)
     assert d.name == "sdpa"
-    assert set(d.reasons) == {"triton", "tiled", "reference"}
+    assert set(d.reasons) == {"cpu", "triton", "tiled", "reference"}
     assert "sdpa is preferred" in d.reasons["tiled"]
+    if cpu_kernel_or("") == "cpu":  # a problem this small: SDPA keeps it (measured faster)
+        assert "torch SDPA is faster below" in d.reasons["cpu"]
 
 
 def test_causal_with_nq_lt_nk_skips_sdpa_and_nq_gt_nk_takes_it(qkv3):
@@ -45,9 +47,15 @@ def test_causal_with_nq_lt_nk_skips_sdpa_and_nq_gt_nk_takes_it(qkv3):
     ],
 )
 def test_auto_reasons(qkv3, kwargs, chosen, why_not_sdpa):
+    chosen = cpu_kernel_or(chosen) if chosen == "tiled" else chosen
     d = qkv.dispatch(*qkv3, **kwargs)
     assert d.name == chosen
-    assert why_not_sdpa in d.reasons["sdpa"]
+    if chosen == "cpu":  # chosen before sdpa is asked; asked by name, sdpa says why not
+        assert d.reasons["sdpa"] == "cpu is preferred (faster) and can run it"
+        with pytest.raises(NotImplementedError, match=why_not_sdpa):
+            qkv.dispatch(*qkv3, backend="sdpa", **kwargs)
+    else:
+        assert why_not_sdpa in d.reasons["sdpa"]
     text = str(d)
     assert text.startswith(f"chosen: {chosen}") and "not sdpa: " in text
 
@@ -83,6 +91,7 @@ def test_named_backend_decision(qkv3):
     d = qkv.dispatch(*qkv3, backend="tiled")
     assert d.name == "tiled"
     assert d.reasons == {
+        "cpu": "backend='tiled' was asked for",
         "sdpa": "backend='tiled' was asked for",
         "triton": "backend='tiled' was asked for",
         "reference": "backend='tiled' was asked for",

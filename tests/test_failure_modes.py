@@ -168,8 +168,8 @@ def test_unknown_backend(qkv3):
     q, k, v = qkv3
     with pytest.raises(
         ValueError,
-        match=r"backend='flash' is unknown; expected one of 'auto', 'sdpa', 'triton', 'tiled', "
-        r"'reference'",
+        match=r"backend='flash' is unknown; expected one of 'auto', 'cpu', 'sdpa', 'triton', "
+        r"'tiled', 'reference'",
     ):
         qkv.attention(q, k, v, backend="flash")
 
@@ -227,7 +227,9 @@ def test_scale_small_for_float32_is_fine_in_float64(qkv3):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("be", ["tiled", qkv.kernels.TiledBackend(8, 8, fused=False)], ids=str)
+@pytest.mark.parametrize(
+    "be", ["tiled", qkv.kernels.TiledBackend(8, 8, fused=False), "cpu"], ids=str
+)
 def test_double_backward_says_which_backend_can(be):
     q, k, v = (torch.randn(1, 2, 9, 4, requires_grad=True) for _ in range(3))
     out = qkv.attention(q, k, v, causal=True, backend=be)

@@ -9,7 +9,7 @@ import qkv
 from qkv import masks
 from qkv.kernels import TiledBackend
 
-from .helpers import assert_error_ratio, make_qkv, matmul_flops
+from .helpers import assert_error_ratio, cpu_kernel_or, make_qkv, matmul_flops
 
 SMALL = TiledBackend(8, 8, max_rows=16, max_cols=16)
 PATTERNS = {
@@ -108,8 +108,9 @@ def test_dropout_with_mask_equals_reference():
 def test_auto_sends_a_mask_to_tiled_and_says_why():
     q, k, v = make_qkv(B=1, H=2, Nq=40, D=8)
     d = qkv.dispatch(q, k, v, mask=masks.sliding_window(4), finite_inputs=True)
-    assert d.name == "tiled"
-    assert "dense Nq×Nk mask" in d.reasons["sdpa"]
+    assert d.name == cpu_kernel_or("tiled")
+    if d.name == "tiled":  # (with the compiled kernel, it comes first and sdpa is not asked)
+        assert "dense Nq×Nk mask" in d.reasons["sdpa"]
     # Asked for by name, sdpa runs it through the dense mask.
     out = qkv.attention(q, k, v, mask=masks.sliding_window(4), backend="sdpa", finite_inputs=True)
     torch.testing.assert_close(out, _dense_reference(q, k, v, masks.sliding_window(4)))

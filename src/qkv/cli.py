@@ -5,7 +5,8 @@
 - `qkv bench`: the cost curve, time and memory against N;
 - `qkv lab NAME`: one of the chapter's claims measured (`rnn`, `scale`, `routing`);
 - `qkv demo`: all of them, written to a folder with a report;
-- `qkv tokens --image WxH`: how many tokens an image costs (`qkv.vision.report`).
+- `qkv tokens --image WxH`: how many tokens an image costs (`qkv.vision.report`);
+- `qkv build`: compile the CPU attention kernel now (otherwise it is compiled at first use).
 
 Each subcommand is one entry of `COMMANDS`: a help line, a function that adds its arguments and
 a function that runs it. Bad input ends with a one-line message on stderr and a non-zero exit
@@ -221,6 +222,31 @@ def _demo(args: argparse.Namespace) -> None:
     demo.run(out, progress=not args.no_progress, labs="full" if args.full else "quick")
 
 
+# --------------------------------------------------------------------------- build
+
+
+def _build_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true", help="rebuild, also after a failed build")
+    p.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+
+
+def _build(args: argparse.Namespace) -> None:
+    from .kernels.cpu import build, isa
+
+    try:
+        ops = build.load(force=args.force, verbose=args.verbose)
+    except build.KernelUnavailable as e:
+        cause = e.__cause__
+        if cause is not None and args.verbose:
+            print(str(cause).strip()[-4000:], file=sys.stderr)
+        raise ImportError(f"the CPU kernel could not be built: {e}") from None
+    have = ", ".join(f"{name} {'yes' if ops.isa_supported(name) else 'no'}" for name in isa.ISAS)
+    chosen, why = isa.choose(ops)
+    print(f"CPU attention kernel: {build.build_dir() / (build.NAME + '.so')}")
+    print(f"instruction sets on this CPU: {have}")
+    print(f"runs: {chosen} ({isa.ENV} forces one)" if why is None else f"cannot run: {why}")
+
+
 # --------------------------------------------------------------------------- the command
 
 
@@ -257,6 +283,9 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("explain, attend, bench and the labs, in a folder", _demo_args, _demo),
     "tokens": Command(
         "how many tokens an image costs (Qwen2-VL, LLaVA-NeXT)", _tokens_args, _tokens
+    ),
+    "build": Command(
+        "compile the CPU attention kernel now (else at first use)", _build_args, _build
     ),
 }
 

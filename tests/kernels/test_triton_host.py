@@ -18,7 +18,7 @@ from qkv.kernels import triton_host as triton_mod
 from qkv.masks import EMPTY, FULL
 from qkv.plan import make_plan
 
-from ..helpers import make_qkv
+from ..helpers import cpu_kernel_or, make_qkv
 
 
 @pytest.fixture
@@ -111,8 +111,9 @@ def test_accepted_requests():
 def test_auto_never_picks_triton_on_cpu():
     q, k, v = make_qkv(B=1, H=2, Nq=9, D=8)
     d = qkv.dispatch(q, k, v, return_lse=True)  # sdpa cannot; triton could but must not
-    assert d.name == "tiled"
-    assert "interpreter" in d.reasons["triton"] and "auto never picks it" in d.reasons["triton"]
+    assert d.name == cpu_kernel_or("tiled")
+    if d.name == "tiled":  # (the compiled CPU kernel, where built, comes before triton)
+        assert "interpreter" in d.reasons["triton"] and "auto never picks it" in d.reasons["triton"]
     assert list(BACKENDS).index("sdpa") < list(BACKENDS).index("triton")
     assert list(BACKENDS).index("triton") < list(BACKENDS).index("tiled")
 

@@ -1,0 +1,735 @@
+// FlashAttention-2, forward and backward, over the kept tiles of a block layout.
+//
+// Included by each isa_*.cpp inside its own namespace, after that ISA's simd_*.h, so the same
+// source becomes one kernel per instruction set. No torch types and no std templates here: every
+// function has internal linkage or lives in the ISA's namespace.
+//
+// Tiles are bq query rows × 64 keys. The forward runs one item per (b, kv head, query tile[,
+// split of its kept tiles]); its rows are the tile's rows of all G query heads that share the kv
+// head, so each K/V tile is read and packed once per group. Per kept tile:
+//
+//     S = Q Kᵀ · scale           tile_scores: summed in double for float32 inputs
+//     t = mods(S)                ALiBi / softcap in float, masked to −inf outside the bits
+//     m' = max(m, rowmax t);  P = exp(t − m');  l = l·α + rowsum P;  α = e^(m − m') in double
+//     acc = acc·α + P V          P V in float chains of 16 keys summed in double, acc in double
+//
+// and at the end out = acc / l, with (m, l) saved for the backward and lse = m + log l returned.
+//
+// The backward runs one item per (b, kv head, chunk of key-tile columns). Per column j it packs
+// K_j, V_j once and, for every kept query tile i and query head g of the group, recomputes
+//
+//     S, t                       the forward's own tile_scores and row_scores: the same bits
+//     P = float(exp(t − m) · (1/l))          (the division and the product in double)
+//     dP = dO Vᵀ in double (exact sums of float products), Δ = rowsum(dO ∘ O) − dlse summed
+//     the same way;  dS = P ∘ float(dP − Δ)
+//     dV_j += Pᵀ dO;  dK_j += dSᵀ Q;  dQ_i += dS K_j
+//
+// each product in float over ≤ 64 terms (one tile, one head), summed across tiles in double.
+// dQ tiles live in a small pool while the chunk's columns reach them (see BwdPlan).
+
+static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+static const float NEG_INF = -__builtin_inff();
+static const uint32_t GOLDEN = 0x61C88647u;
+
+// ------------------------------------------------------------------------- scalar conversions
+
+static inline float f32_of_bits(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint32_t bits_of_f32(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return u;
+}
+static inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0) {
+    const float f = (float)m * 5.9604644775390625e-08f;  // m · 2^-24, exact
+    return sign ? -f : f;
+  }
+  if (e == 31) return f32_of_bits(sign | 0x7F800000u | (m << 13));
+  return f32_of_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+// float → IEEE half, round to nearest even
+static inline uint16_t f32_to_half(float f) {
+  const uint32_t x = bits_of_f32(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+  if (ax >= 0x7F800000u) return (uint16_t)(sign | 0x7C00u | (ax > 0x7F800000u ? 0x200u : 0u));
+  if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);  // ≥ 65520 rounds to inf
+  if (ax < 0x38800000u) {                                    // below 2^-14: a subnormal half
+    const float q = __builtin_nearbyintf(f32_of_bits(ax) * 16777216.0f);  // units of 2^-24
+    return (uint16_t)(sign | (uint32_t)q);
+  }
+  uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax >> 13) & 0x3FFu);
+  const uint32_t rest = ax & 0x1FFFu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return (uint16_t)(sign | h);
+}
+// float → bfloat16, round to nearest even (NaN stays NaN)
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = bits_of_f32(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+static inline int64_t elem_size(int32_t dt) { return dt == DT_F32 ? 4 : 2; }
+
+static inline const void* row_of(const View& x, int32_t dt, int64_t b, int64_t h, int64_t n) {
+  return (const char*)x.data + (b * x.sb + h * x.sh + n * x.sn) * elem_size(dt);
+}
+
+// n values of a row in dtype → float, zero-filled up to npad
+static inline void load_row(const void* src, int32_t dt, int64_t n, int64_t npad, float* dst) {
+  if (dt == DT_F32) {
+    __builtin_memcpy(dst, src, (size_t)n * 4);
+  } else {
+    const uint16_t* s = (const uint16_t*)src;
+    if (dt == DT_BF16) {
+      for (int64_t i = cvt_bf16(s, dst, n); i < n; ++i) dst[i] = f32_of_bits((uint32_t)s[i] << 16);
+    } else {
+      for (int64_t i = cvt_f16(s, dst, n); i < n; ++i) dst[i] = half_to_f32(s[i]);
+    }
+  }
+  for (int64_t i = n; i < npad; ++i) dst[i] = 0.0f;
+}
+
+static inline void store_row(void* dst, int32_t dt, const float* x, int64_t n) {
+  if (dt == DT_F32) {
+    __builtin_memcpy(dst, x, (size_t)n * 4);
+  } else if (dt == DT_BF16) {
+    uint16_t* d = (uint16_t*)dst;
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(x[i]);
+  } else {
+    uint16_t* d = (uint16_t*)dst;
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_half(x[i]);
+  }
+}
+
+// non-finite entries → 0 (the backward reads masked-out garbage as 0, as the tiled backend does)
+static inline void sanitize_row(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!(x[i] - x[i] == 0.0f)) x[i] = 0.0f;
+}
+
+static inline bool rows_finite(const float* x, int64_t rows, int64_t ld, int64_t n16) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n16; i += 16)
+      if (!m_all(v_finite(v_load(x + r * ld + i)))) return false;
+  return true;
+}
+
+// ------------------------------------------------------------------------- dropout (qkv.dropout)
+
+static inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x6A09E667u;
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  return x ^ (x >> 15);
+}
+static inline uint32_t drop_row_hash(const Drop& d, int64_t bh, int64_t row) {
+  const uint32_t head = mix32((uint32_t)((uint64_t)bh * GOLDEN + d.s0));
+  return mix32(head ^ (uint32_t)((uint64_t)row * GOLDEN));
+}
+static inline void drop_col_hash(const Drop& d, int64_t c0, uint32_t* out) {
+  for (int64_t c = 0; c < BK; ++c) out[c] = mix32((uint32_t)((uint64_t)(c0 + c) * GOLDEN) ^ d.s1);
+}
+// which of 16 consecutive keys survive dropout in a row
+static inline M16 drop_keep(const Drop& d, uint32_t row_hash, const uint32_t* col_hash) {
+  if (d.threshold > 0xFFFFFFFFull) return m_bits(0);
+  return u_ge(u_mix(u_xor(u_load(col_hash), row_hash)), (uint32_t)d.threshold);
+}
+
+// ------------------------------------------------------------------------- scores of a tile row
+
+// t = mods(s) for scaled scores s of keys c0 … c0+63 of a row at position qpos, −inf where `allowed` has no
+// bit. With dfac, also dt/dx (softcap: 1 − tanh², else 1). The forward and the backward both
+// call this on the same gemm output, so they see the same t.
+static inline void row_scores(const Mods& md, float slope, int64_t qpos, int64_t c0,
+                              uint64_t allowed, const float* s, float* t, float* dfac) {
+  const bool cap = md.cap != 0.0f;
+  for (int64_t q = 0; q < 4; ++q) {
+    V16 x = v_load(s + 16 * q);
+    V16 bias = v_set(0.0f);
+    if (slope != 0.0f) bias = v_mul(v_set(slope), v_absdist((int32_t)(qpos - c0 - 16 * q)));
+    if (slope != 0.0f && !md.alibi_after_cap) x = v_sub(x, bias);
+    if (cap) {
+      const V16 th = v_tanh(v_div(x, v_set(md.cap)));
+      x = v_mul(th, v_set(md.cap));
+      if (dfac) v_store(dfac + 16 * q, v_sub(v_set(1.0f), v_mul(th, th)));
+    }
+    if (slope != 0.0f && md.alibi_after_cap) x = v_sub(x, bias);
+    const uint32_t w = (uint32_t)(allowed >> (16 * q)) & 0xFFFFu;
+    if (w != 0xFFFFu) x = v_select(m_bits(w), x, v_set(NEG_INF));
+    v_store(t + 16 * q, x);
+  }
+}
+
+// C = A·B where a zero in A never multiplies B (B may hold NaN/inf where A is 0). Each element
+// is the same chain of operations as gemm's (a skipped term a·b + c with a = 0 is c), so on
+// finite data both give the same bits.
+static void gemm_zero_safe(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
+                           int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* c = C + m * ldc;
+    for (int64_t n = 0; n < N; ++n) c[n] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = A[m * sam + k * sak];
+      if (a == 0.0f) continue;
+      const float* b = B + k * ldb;
+      for (int64_t n = 0; n < N; ++n) c[n] = madd(a, b[n], c[n]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------- per-worker buffers
+
+struct Buf {
+  char* base;
+  float *q, *kr, *kt, *vr, *vt, *s, *p, *ds, *dfac, *o, *dO, *tmp;
+  float *mrow, *slope;
+  int64_t *qpos, *bitoff;
+  uint32_t *rowh, *colh;
+  double *l, *alpha, *delta, *inv_l, *acc, *dk64, *dv64;
+  double *vt64, *dO64, *dp64;  // backward: Vᵀ, dO and dP in double (dP's sums are exact)
+  double *q64, *kt64, *s64;  // exact scores (float32 inputs): Q, Kᵀ and S in double
+  double* pool;  // backward: live dQ tiles
+  int64_t pool_cap;
+  int32_t *slot_of, *free_slots;
+  int64_t slot_cap;
+};
+
+static inline char* carve(char*& cur, int64_t bytes) {
+  char* p = cur;
+  cur += (bytes + 63) & ~int64_t(63);
+  return p;
+}
+
+// rows: most rows a tile step handles (forward G·bq, backward bq)
+static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
+  const int64_t Dp = P.Dp, Dvp = P.Dvp, Dm = imax(Dp, Dvp), R = imax(rows, 1);
+  int64_t bytes = 0;
+  const int64_t floats[] = {R * Dp, BK * Dp,  Dp * BK, BK * Dvp, Dvp * BK, R * BK, R * BK,
+                            R * BK, R * BK, imax(4 * R, BK) * Dm, P.lay.bq * Dvp + 16, Dm + 16, R, R};
+  for (int64_t f : floats) bytes += (f * 4 + 63) & ~int64_t(63);
+  bytes += 2 * ((R * 8 + 63) & ~int64_t(63)) + 2 * ((R * 4 + 63) & ~int64_t(63)) + 256;
+  const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, Dp * BK, R * BK};
+  for (int64_t d : doubles) bytes += (d * 8 + 63) & ~int64_t(63);
+  w.base = (char*)aligned_alloc(64, (size_t)((bytes + 63) & ~int64_t(63)));
+  if (!w.base) return false;
+  char* cur = w.base;
+  w.q = (float*)carve(cur, R * Dp * 4);
+  w.kr = (float*)carve(cur, BK * Dp * 4);
+  w.kt = (float*)carve(cur, Dp * BK * 4);
+  w.vr = (float*)carve(cur, BK * Dvp * 4);
+  w.vt = (float*)carve(cur, Dvp * BK * 4);
+  w.s = (float*)carve(cur, R * BK * 4);
+  w.p = (float*)carve(cur, R * BK * 4);
+  w.ds = (float*)carve(cur, R * BK * 4);
+  w.dfac = (float*)carve(cur, R * BK * 4);
+  w.o = (float*)carve(cur, imax(4 * R, BK) * Dm * 4);
+  w.dO = (float*)carve(cur, (P.lay.bq * Dvp + 16) * 4);
+  w.tmp = (float*)carve(cur, (Dm + 16) * 4);
+  w.mrow = (float*)carve(cur, R * 4);
+  w.slope = (float*)carve(cur, R * 4);
+  w.qpos = (int64_t*)carve(cur, R * 8);
+  w.bitoff = (int64_t*)carve(cur, R * 8);
+  w.rowh = (uint32_t*)carve(cur, R * 4);
+  w.colh = (uint32_t*)carve(cur, BK * 4);
+  w.l = (double*)carve(cur, R * 8);
+  w.alpha = (double*)carve(cur, R * 8);
+  w.delta = (double*)carve(cur, R * 8);
+  w.inv_l = (double*)carve(cur, R * 8);
+  w.acc = (double*)carve(cur, R * Dm * 8);
+  w.dk64 = (double*)carve(cur, BK * Dp * 8);
+  w.dv64 = (double*)carve(cur, BK * Dvp * 8);
+  w.vt64 = (double*)carve(cur, Dvp * BK * 8);
+  w.dO64 = (double*)carve(cur, R * Dvp * 8);
+  w.dp64 = (double*)carve(cur, R * BK * 8);
+  w.q64 = (double*)carve(cur, R * Dp * 8);
+  w.kt64 = (double*)carve(cur, Dp * BK * 8);
+  w.s64 = (double*)carve(cur, R * BK * 8);
+  w.pool = nullptr;
+  w.pool_cap = 0;
+  w.slot_of = w.free_slots = nullptr;
+  w.slot_cap = 0;
+  return true;
+}
+
+static void buf_free(Buf& w) {
+  free(w.base);
+  free(w.pool);
+  free(w.slot_of);
+  free(w.free_slots);
+}
+
+// ------------------------------------------------------------------------- packing
+
+// K rows c0 … c0+kw−1 of (b, hkv) → kr (64 × Dp, zero rows past kw) and kt = krᵀ (Dp × 64).
+// Without `need_kr` (the forward), a whole float32 tile is transposed from the tensor itself.
+static void pack_k(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw, Buf& w,
+                   bool sanitize, bool need_kr) {
+  const int64_t Dp = P.Dp;
+  if (!need_kr && !sanitize && P.dtype == DT_F32 && kw == BK && P.D == Dp) {
+    const float* src = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
+    for (int64_t d0 = 0; d0 < Dp; d0 += 16)
+      for (int64_t j0 = 0; j0 < BK; j0 += 16)
+        transpose16(src + j0 * P.k.sn + d0, P.k.sn, w.kt + d0 * BK + j0, BK);
+    return;
+  }
+  for (int64_t j = 0; j < kw; ++j) {
+    float* dst = w.kr + j * Dp;
+    load_row(row_of(P.k, P.dtype, b, hkv, c0 + j), P.dtype, P.D, Dp, dst);
+    if (sanitize) sanitize_row(dst, P.D);
+  }
+  for (int64_t j = kw; j < BK; ++j)
+    for (int64_t d = 0; d < Dp; ++d) w.kr[j * Dp + d] = 0.0f;
+  for (int64_t d0 = 0; d0 < Dp; d0 += 16)
+    for (int64_t j0 = 0; j0 < BK; j0 += 16) transpose16(w.kr + j0 * Dp + d0, Dp, w.kt + d0 * BK + j0, BK);
+}
+
+// V rows → vr (kw × Dvp, zero-padded columns); with transpose also vt = vrᵀ (Dvp × 64)
+static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw, Buf& w,
+                   bool sanitize, bool transpose) {
+  const int64_t Dvp = P.Dvp;
+  for (int64_t j = 0; j < kw; ++j) {
+    float* dst = w.vr + j * Dvp;
+    load_row(row_of(P.v, P.dtype, b, hkv, c0 + j), P.dtype, P.Dv, Dvp, dst);
+    if (sanitize) sanitize_row(dst, P.Dv);
+  }
+  if (!transpose) return;
+  for (int64_t j = kw; j < BK; ++j)
+    for (int64_t d = 0; d < Dvp; ++d) w.vr[j * Dvp + d] = 0.0f;
+  for (int64_t d0 = 0; d0 < Dvp; d0 += 16)
+    for (int64_t j0 = 0; j0 < BK; j0 += 16) transpose16(w.vr + j0 * Dvp + d0, Dvp, w.vt + d0 * BK + j0, BK);
+}
+
+// Scores of rows q (float, ldq) against the packed key tile: s = round(q·k · scale). For float32
+// inputs the products (exact in double) are summed in double (q64, kt64), so every score
+// carries a single rounding where the float32 reference's carries its dot product's D
+// roundings; for 16-bit inputs, whose outputs round to 16 bits, float sums suffice.
+//
+// Decoding (Nq·G ≤ 16 rows) takes the dot-product form instead: each score is summed over d in
+// SIMD lanes straight from the key rows `krows` (no transposed tile). Which form runs depends on
+// the problem only, so the forward and the backward still compute the same bits.
+static void tile_scores(const Problem& P, int64_t M, const float* q, const double* q64, int64_t ldq,
+                        const float* krows, int64_t ldk, int64_t kw, Buf& w) {
+  if (P.dot_scores) {
+    for (int64_t j = 0; j < kw; ++j) {
+      if (P.exact_scores)
+        dot_rows64(q64, ldq, M, krows + j * ldk, P.D, w.s + j, BK, P.mods.scale64);
+      else
+        dot_rows32(q, ldq, M, krows + j * ldk, P.D, w.s + j, BK, P.mods.scale);
+    }
+    for (int64_t R = 0; R < M; ++R)
+      for (int64_t j = kw; j < BK; ++j) w.s[R * BK + j] = 0.0f;
+    return;
+  }
+  if (P.exact_scores) {
+    gemm64(M, BK, P.D, q64, ldq, 1, w.kt64, BK, w.s64, BK);
+    const double scale = P.mods.scale64;
+    for (int64_t x = 0; x < M * BK; ++x) w.s[x] = (float)(w.s64[x] * scale);
+  } else {
+    gemm(M, BK, P.D, q, ldq, 1, w.kt, BK, w.s, BK);
+    const V16 scale = v_set(P.mods.scale);
+    for (int64_t x = 0; x < M * BK; x += 16) v_store(w.s + x, v_mul(v_load(w.s + x), scale));
+  }
+}
+
+// load row n of q (b, h) into q[·] and, for exact scores, q64[·]
+static inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t n, float* q, double* q64) {
+  load_row(row_of(P.q, P.dtype, b, h, n), P.dtype, P.D, P.Dp, q);
+  if (P.exact_scores)
+    for (int64_t d = 0; d < P.Dp; ++d) q64[d] = (double)q[d];
+}
+
+// ------------------------------------------------------------------------- forward
+
+// Write rows r0 … r0+nr−1 of all heads of (b, hkv): out = acc / l, and the saved (m, l) and lse.
+static void finish_rows(const Problem& P, int64_t b, int64_t hkv, int64_t r0, int64_t nr,
+                        const float* mrow, const double* l, const double* acc, int64_t ldacc,
+                        float* tmp) {
+  for (int64_t g = 0; g < P.G; ++g) {
+    const int64_t h = hkv * P.G + g;
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t R = g * nr + r, idx = (b * P.H + h) * P.Nq + r0 + r;
+      const double lr = l[R];
+      if (lr == 0.0) {
+        for (int64_t d = 0; d < P.Dv; ++d) tmp[d] = 0.0f;
+        P.m[idx] = NEG_INF;
+        P.l[idx] = 0.0;
+        P.lse[idx] = NEG_INF;
+      } else {
+        const double* a = acc + R * ldacc;
+        for (int64_t d = 0; d < P.Dv; ++d) tmp[d] = (float)(a[d] / lr);
+        P.m[idx] = mrow[R];
+        P.l[idx] = lr;
+        P.lse[idx] = (float)((double)mrow[R] + __builtin_log(lr));
+      }
+      store_row((void*)row_of(P.out, P.dtype, b, h, r0 + r), P.dtype, tmp, P.Dv);
+    }
+  }
+}
+
+// whether V tile j of (b, hkv) is all finite: computed by the first item that reads it, then
+// remembered for the call (a benign race: every writer stores the same value)
+static inline bool tile_v_finite(const Problem& P, const FwdPlan& F, int64_t b, int64_t hkv,
+                                 int64_t j, const float* vb, int64_t kw, int64_t ldv) {
+  int8_t* flag = F.v_finite + (b * P.Hkv + hkv) * P.lay.nkb + j;
+  int8_t known = __atomic_load_n(flag, __ATOMIC_RELAXED);
+  if (known < 0) {
+    known = rows_finite(vb, kw, ldv, P.Dvp) ? 1 : 0;
+    __atomic_store_n(flag, known, __ATOMIC_RELAXED);
+  }
+  return known == 1;
+}
+
+static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf& w) {
+  const Layout& L = P.lay;
+  const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, i = it.i;
+  const int64_t r0 = i * bq, nr = imin(bq, P.Nq - r0), M = G * nr;
+  const int64_t Dp = P.Dp, Dvp = P.Dvp, code_stride = L.bm * L.hm * bq;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = hkv * G + g;
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t R = g * nr + r;
+      load_q(P, b, h, r0 + r, w.q + R * Dp, w.q64 + R * Dp);
+      w.mrow[R] = NEG_INF;
+      w.l[R] = 0.0;
+      w.slope[R] = P.mods.slopes ? P.mods.slopes[h] : 0.0f;
+      w.qpos[R] = r0 + r + P.Nk - P.Nq;
+      w.bitoff[R] = ((L.bm > 1 ? b : 0) * L.hm + (L.hm > 1 ? h : 0)) * bq + r;
+      if (P.drop.on) w.rowh[R] = drop_row_hash(P.drop, b * P.H + h, r0 + r);
+    }
+  }
+  __builtin_memset(w.acc, 0, (size_t)(M * Dvp) * 8);
+  const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
+  for (int64_t e = it.e0; e < it.e1; ++e) {
+    const int64_t j = L.col_idx[e], code = L.code[e], c0 = j * BK, kw = imin(BK, P.Nk - c0);
+    const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
+    const float* krows = w.kr;
+    int64_t ldk = Dp;
+    if (!P.dot_scores) {
+      pack_k(P, b, hkv, c0, kw, w, false, false);
+      if (P.exact_scores && !P.dot_scores)
+        for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
+    } else if (P.dtype == DT_F32) {
+      krows = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
+      ldk = P.k.sn;
+    } else {
+      for (int64_t jj = 0; jj < kw; ++jj)
+        load_row(row_of(P.k, P.dtype, b, hkv, c0 + jj), P.dtype, P.D, Dp, w.kr + jj * Dp);
+    }
+    const float* vb;
+    int64_t ldv;
+    if (P.dtype == DT_F32 && P.Dv == Dvp && kw == BK) {
+      vb = (const float*)row_of(P.v, P.dtype, b, hkv, c0);
+      ldv = P.v.sn;
+    } else {
+      pack_v(P, b, hkv, c0, kw, w, false, false);
+      vb = w.vr;
+      ldv = Dvp;
+    }
+    if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
+    tile_scores(P, M, w.q, w.q64, Dp, krows, ldk, kw, w);
+    for (int64_t R = 0; R < M; ++R) {
+      float* srow = w.s + R * BK;
+      float* prow = w.p + R * BK;
+      const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[R]];
+      w.alpha[R] = 1.0;
+      if (allowed == 0) {
+        for (int64_t q = 0; q < 4; ++q) v_store(prow + 16 * q, zero);
+        continue;
+      }
+      row_scores(P.mods, w.slope[R], w.qpos[R], c0, allowed, srow, srow, nullptr);
+      V16 mx = v_max(v_max(v_load(srow), v_load(srow + 16)), v_max(v_load(srow + 32), v_load(srow + 48)));
+      const float tmax = v_hmax(mx), mold = w.mrow[R];
+      const float mnew = tmax > mold ? tmax : mold;
+      if (mnew == NEG_INF) {
+        for (int64_t q = 0; q < 4; ++q) v_store(prow + 16 * q, zero);
+        continue;
+      }
+      const V16 mv = v_set(mnew);
+      V16 sum = zero;
+      for (int64_t q = 0; q < 4; ++q) {
+        V16 ev = v_exp(v_sub(v_load(srow + 16 * q), mv));
+        sum = v_add(sum, ev);
+        if (P.drop.on) ev = v_select(drop_keep(P.drop, w.rowh[R], w.colh + 16 * q), v_mul(ev, keep_scale), zero);
+        v_store(prow + 16 * q, ev);
+      }
+      const double alpha =
+          mold == mnew ? 1.0 : (mold == NEG_INF ? 0.0 : __builtin_exp((double)mold - (double)mnew));
+      w.l[R] = w.l[R] * alpha + (double)v_hsum(sum);
+      w.mrow[R] = mnew;
+      w.alpha[R] = alpha;
+    }
+    // P V in four chains of 16 keys, summed in double: a tile adds ≤ 16 float roundings
+    const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv);
+    const int64_t n_chains = (kw + 15) / 16;
+    for (int64_t c = 0; c < n_chains; ++c) {
+      const int64_t k0 = 16 * c, kn = imin(16, kw - k0);
+      float* oc = w.o + c * M * Dvp;
+      if (v_finite)
+        gemm(M, Dvp, kn, w.p + k0, BK, 1, vb + k0 * ldv, ldv, oc, Dvp);
+      else
+        gemm_zero_safe(M, Dvp, kn, w.p + k0, BK, 1, vb + k0 * ldv, ldv, oc, Dvp);
+    }
+    for (int64_t R = 0; R < M; ++R)
+      acc_chains(w.acc + R * Dvp, w.o + R * Dvp, M * Dvp, n_chains, w.alpha[R], Dvp);
+  }
+  const int64_t key = (b * P.Hkv + hkv) * L.nqb + i;
+  const int32_t nsplit = F.nsplit[key];
+  if (nsplit <= 1) {
+    finish_rows(P, b, hkv, r0, nr, w.mrow, w.l, w.acc, Dvp, w.tmp);
+    return;
+  }
+  // one split of a long row of tiles: store the partial (m, l, acc); the last split to finish
+  // merges all of them in split order
+  const int64_t slot = F.part_base[key] + it.split, mm = F.mmax;
+  __builtin_memcpy(F.part_m + slot * mm, w.mrow, (size_t)M * 4);
+  __builtin_memcpy(F.part_l + slot * mm, w.l, (size_t)M * 8);
+  __builtin_memcpy(F.part_acc + slot * mm * Dvp, w.acc, (size_t)(M * Dvp) * 8);
+  if (__atomic_fetch_add(&F.done[key], 1, __ATOMIC_ACQ_REL) + 1 != nsplit) return;
+  const int64_t first = F.part_base[key];
+  for (int64_t R = 0; R < M; ++R) {
+    float mstar = NEG_INF;
+    for (int64_t s = 0; s < nsplit; ++s) {
+      const float ms = F.part_m[(first + s) * mm + R];
+      mstar = ms > mstar ? ms : mstar;
+    }
+    double lsum = 0.0;
+    double* acc = w.acc + R * Dvp;
+    for (int64_t d = 0; d < Dvp; ++d) acc[d] = 0.0;
+    if (mstar != NEG_INF) {
+      for (int64_t s = 0; s < nsplit; ++s) {
+        const float ms = F.part_m[(first + s) * mm + R];
+        if (ms == NEG_INF) continue;
+        const double wgt = __builtin_exp((double)ms - (double)mstar);
+        lsum += F.part_l[(first + s) * mm + R] * wgt;
+        const double* pa = F.part_acc + ((first + s) * mm + R) * Dvp;
+        for (int64_t d = 0; d < Dvp; ++d) acc[d] += pa[d] * wgt;
+      }
+    }
+    w.mrow[R] = mstar;
+    w.l[R] = lsum;
+  }
+  finish_rows(P, b, hkv, r0, nr, w.mrow, w.l, w.acc, Dvp, w.tmp);
+}
+
+static void forward_worker(const Problem& P, const FwdPlan& F, int64_t* next, int32_t* error) {
+  Buf w;
+  if (!buf_alloc(w, P, F.mmax)) {
+    __atomic_store_n(error, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  for (;;) {
+    const int64_t k = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    if (k >= F.n_items) break;
+    fwd_item(P, F, F.items[k], w);
+  }
+  buf_free(w);
+}
+
+// ------------------------------------------------------------------------- backward
+
+static void write_dq(const Problem& P, int64_t b, int64_t hkv, int64_t r0, int64_t nr,
+                     const double* acc, float* tmp) {
+  const int64_t bq = P.lay.bq, Dp = P.Dp;
+  const double scale = P.mods.scale64;
+  const int64_t es = elem_size(P.dtype);
+  for (int64_t g = 0; g < P.G; ++g) {
+    const int64_t h = hkv * P.G + g;
+    for (int64_t r = 0; r < nr; ++r) {
+      const double* a = acc + (g * bq + r) * Dp;
+      for (int64_t d = 0; d < P.D; ++d) tmp[d] = (float)(a[d] * scale);
+      store_row((char*)P.dq + (((b * P.H + h) * P.Nq + r0 + r) * P.D) * es, P.dtype, tmp, P.D);
+    }
+  }
+}
+
+// the dQ of touched entry t is complete for this chunk: write it, or store it as this chunk's
+// partial and, if it is the last one, sum all partials in chunk order and write that
+static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv, int64_t t,
+                     const double* acc, Buf& w) {
+  const int64_t bq = P.lay.bq, i = Bp.t_tile[t], r0 = i * bq, nr = imin(bq, P.Nq - r0);
+  const int64_t tile = P.G * bq * P.Dp;
+  if (Bp.t_slot[t] < 0) {
+    write_dq(P, b, hkv, r0, nr, acc, w.tmp);
+    return;
+  }
+  double* dst = Bp.store + ((Bp.t_slot[t] * P.B + b) * P.Hkv + hkv) * tile;
+  __builtin_memcpy(dst, acc, (size_t)tile * 8);
+  const int64_t key = (b * P.Hkv + hkv) * P.lay.nqb + i;
+  const int64_t n = Bp.q_ptr[i + 1] - Bp.q_ptr[i];
+  if (__atomic_fetch_add(&Bp.done[key], 1, __ATOMIC_ACQ_REL) + 1 != n) return;
+  double* sum = w.acc;
+  __builtin_memset(sum, 0, (size_t)tile * 8);
+  for (int64_t s = Bp.q_ptr[i]; s < Bp.q_ptr[i + 1]; ++s) {
+    const double* part = Bp.store + ((Bp.q_slots[s] * P.B + b) * P.Hkv + hkv) * tile;
+    for (int64_t x = 0; x < tile; ++x) sum[x] += part[x];
+  }
+  write_dq(P, b, hkv, r0, nr, sum, w.tmp);
+}
+
+static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf& w) {
+  const Layout& L = P.lay;
+  const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, c = it.c;
+  const int64_t Dp = P.Dp, Dvp = P.Dvp, code_stride = L.bm * L.hm * bq;
+  const int64_t j0 = Bp.chunk_j[c], j1 = Bp.chunk_j[c + 1], t0 = Bp.chunk_t[c], t1 = Bp.chunk_t[c + 1];
+  const int64_t tile = G * bq * Dp, live = Bp.chunk_live[c];
+  if (live * tile > w.pool_cap) {
+    free(w.pool);
+    w.pool = (double*)aligned_alloc(64, (size_t)(live * tile * 8 + 64));
+    w.pool_cap = w.pool ? live * tile : 0;
+    if (!w.pool) return false;
+  }
+  if (imax(t1 - t0, live) > w.slot_cap) {
+    free(w.slot_of);
+    free(w.free_slots);
+    w.slot_cap = imax(t1 - t0, live);
+    w.slot_of = (int32_t*)malloc((size_t)w.slot_cap * 4);
+    w.free_slots = (int32_t*)malloc((size_t)w.slot_cap * 4);
+    if (!w.slot_of || !w.free_slots) {
+      w.slot_cap = 0;
+      return false;
+    }
+  }
+  int64_t n_free = live;
+  for (int64_t s = 0; s < live; ++s) w.free_slots[s] = (int32_t)(live - 1 - s);
+  int64_t next_first = t0, next_flush = 0;
+  const double scale = P.mods.scale64;
+  const bool cap = P.mods.cap != 0.0f;
+  const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
+  const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
+  const int64_t es = elem_size(P.dtype);
+  for (int64_t j = j0; j < j1; ++j) {
+    while (next_first < t1 && Bp.t_first[next_first] == j) {
+      const int32_t s = w.free_slots[--n_free];
+      w.slot_of[next_first - t0] = s;
+      __builtin_memset(w.pool + s * tile, 0, (size_t)tile * 8);
+      ++next_first;
+    }
+    const int64_t e0 = L.col_ptr[j], e1 = L.col_ptr[j + 1];
+    const int64_t c0 = j * BK, kw = imin(BK, P.Nk - c0);
+    const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
+    if (e1 > e0) {
+      pack_k(P, b, hkv, c0, kw, w, true, true);
+      pack_v(P, b, hkv, c0, kw, w, true, true);
+      if (P.exact_scores)
+        for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
+      for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
+      __builtin_memset(w.dk64, 0, (size_t)(BK * Dp) * 8);
+      __builtin_memset(w.dv64, 0, (size_t)(BK * Dvp) * 8);
+      if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
+    }
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t i = L.row_idx[e], code = L.code_t[e], r0 = i * bq, nr = imin(bq, P.Nq - r0);
+      double* qacc = w.pool + w.slot_of[Bp.local[e]] * tile;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hkv * G + g;
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
+          load_q(P, b, h, r0 + r, w.q + r * Dp, w.q64 + r * Dp);
+          float* dor = w.dO + r * Dvp;
+          double* dor64 = w.dO64 + r * P.Dv;
+          load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, dor);
+          load_row(row_of(P.out, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, w.tmp);
+          // Δ = dO·O summed exactly as gemm64 sums dO·V: a row whose only key has P = 1
+          // (O = V) gets dP − Δ = 0 exactly, as the softmax's gradient is there
+          double delta = 0.0;
+          for (int64_t d = 0; d < P.Dv; ++d) {
+            dor64[d] = (double)dor[d];
+            delta = delta + dor64[d] * (double)w.tmp[d];
+          }
+          if (P.dlse) delta -= (double)P.dlse[idx];
+          w.delta[r] = delta;
+          const double lr = P.l[idx];
+          w.inv_l[r] = lr > 0.0 ? 1.0 / lr : 0.0;
+          w.mrow[r] = P.m[idx];
+          w.slope[r] = P.mods.slopes ? P.mods.slopes[h] : 0.0f;
+          w.qpos[r] = r0 + r + P.Nk - P.Nq;
+          w.bitoff[r] = ((L.bm > 1 ? b : 0) * L.hm + (L.hm > 1 ? h : 0)) * bq + r;
+          if (P.drop.on) w.rowh[r] = drop_row_hash(P.drop, b * P.H + h, r0 + r);
+        }
+        tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
+        gemm64(nr, BK, P.Dv, w.dO64, P.Dv, 1, w.vt64, BK, w.dp64, BK);
+        for (int64_t r = 0; r < nr; ++r) {
+          float* srow = w.s + r * BK;
+          float* prow = w.p + r * BK;
+          float* dsrow = w.ds + r * BK;
+          float* frow = w.dfac + r * BK;
+          const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[r]];
+          if (allowed == 0 || w.inv_l[r] == 0.0) {
+            for (int64_t q = 0; q < 4; ++q) {
+              v_store(prow + 16 * q, zero);
+              v_store(dsrow + 16 * q, zero);
+            }
+            continue;
+          }
+          row_scores(P.mods, w.slope[r], w.qpos[r], c0, allowed, srow, srow, cap ? frow : nullptr);
+          const V16 mv = v_set(w.mrow[r]);
+          const double inv = w.inv_l[r], delta = w.delta[r];
+          for (int64_t q = 0; q < 4; ++q) {
+            const V16 p = v_mul_f64(v_exp(v_sub(v_load(srow + 16 * q), mv)), inv);
+            V16 pd = p;
+            M16 keep = m_bits(0xFFFFu);
+            if (P.drop.on) {
+              keep = drop_keep(P.drop, w.rowh[r], w.colh + 16 * q);
+              pd = v_select(keep, v_mul(p, keep_scale), zero);
+            }
+            V16 ds = v_mul(p, v_dsub(w.dp64 + r * BK + 16 * q, drop_mul, delta, keep));
+            if (cap) ds = v_mul(ds, v_load(frow + 16 * q));
+            v_store(prow + 16 * q, pd);
+            v_store(dsrow + 16 * q, ds);
+          }
+        }
+        gemm(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.o, Dvp);
+        for (int64_t jj = 0; jj < kw; ++jj) add_f64(w.dv64 + jj * Dvp, w.o + jj * Dvp, Dvp);
+        gemm(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.o, Dp);
+        for (int64_t jj = 0; jj < kw; ++jj) add_f64(w.dk64 + jj * Dp, w.o + jj * Dp, Dp);
+        gemm(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, w.o, Dp);
+        for (int64_t r = 0; r < nr; ++r) add_f64(qacc + (g * bq + r) * Dp, w.o + r * Dp, Dp);
+      }
+    }
+    if (e1 > e0) {
+      for (int64_t jj = 0; jj < kw; ++jj) {
+        const int64_t row = (b * P.Hkv + hkv) * P.Nk + c0 + jj;
+        for (int64_t d = 0; d < P.D; ++d) w.tmp[d] = (float)(w.dk64[jj * Dp + d] * scale);
+        store_row((char*)P.dk + row * P.D * es, P.dtype, w.tmp, P.D);
+        for (int64_t d = 0; d < P.Dv; ++d) w.tmp[d] = (float)w.dv64[jj * Dvp + d];
+        store_row((char*)P.dv + row * P.Dv * es, P.dtype, w.tmp, P.Dv);
+      }
+    }
+    while (next_flush < t1 - t0) {
+      const int64_t t = t0 + Bp.t_flush[t0 + next_flush];
+      if (Bp.t_last[t] != j) break;
+      const int32_t s = w.slot_of[t - t0];
+      flush_dq(P, Bp, b, hkv, t, w.pool + s * tile, w);
+      w.free_slots[n_free++] = s;
+      ++next_flush;
+    }
+  }
+  return true;
+}
+
+static void backward_worker(const Problem& P, const BwdPlan& Bp, int64_t* next, int32_t* error) {
+  Buf w;
+  if (!buf_alloc(w, P, imax(P.lay.bq, P.G * P.lay.bq))) {
+    __atomic_store_n(error, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  for (;;) {
+    const int64_t k = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    if (k >= Bp.n_items) break;
+    if (!bwd_item(P, Bp, Bp.items[k], w)) {
+      __atomic_store_n(error, 1, __ATOMIC_RELAXED);
+      break;
+    }
+  }
+  buf_free(w);
+}

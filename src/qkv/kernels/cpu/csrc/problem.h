@@ -1,0 +1,140 @@
+// What the torch-facing code (ops.cpp) hands to the compute kernels (kernel.h, compiled once per
+// ISA): plain structs of pointers, sizes and strides, no torch types. Everything defined here
+// has internal linkage or is a plain struct, so the ISA translation units, compiled with
+// different target options, never share a function body with the baseline one.
+#pragma once
+
+#include <cstdint>
+
+namespace qkv_cpu {
+
+constexpr int64_t BK = 64;          // keys per tile: a tile row's allowed keys are one uint64
+constexpr int32_t TILE_FULL = -1;   // tile code of a FULL tile (no mask arithmetic)
+enum Dtype : int32_t { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+// A (B, H, N, D) tensor: data and element strides of its first three dims (the last is dense).
+struct View {
+  const void* data;
+  int64_t sb, sh, sn;
+};
+
+// The block layout (see layout.py): CSR of kept tiles by query-tile row for the forward, the
+// transposed CSR by key-tile column for the backward (same tile codes), and the allowed-key
+// bits of the PARTIAL tiles, `bits[((p * bm + b) * hm + h) * bq + r]` for tile code p.
+struct Layout {
+  int64_t bq, nqb, nkb;
+  const int64_t* row_ptr;  // (nqb + 1)
+  const int32_t* col_idx;  // (nnz) key tile of each kept tile
+  const int32_t* code;     // (nnz) TILE_FULL or index into bits
+  const int64_t* col_ptr;  // (nkb + 1)
+  const int32_t* row_idx;  // (nnz) query tile of each kept tile, by column
+  const int32_t* code_t;   // (nnz)
+  const uint64_t* bits;    // (P, bm, hm, bq)
+  int64_t bm, hm;          // 1 or B, 1 or H: whether the mask depends on the batch / the head
+};
+
+// Score modifiers, applied to x = (q · k) · scale in this order: ALiBi before the softcap
+// unless alibi_after_cap.
+struct Mods {
+  float scale;    // the scale rounded to float (16-bit inputs' scores: float(s · scale))
+  double scale64; // the scale itself (float32 inputs' scores, and dQ, dK)
+  const float* slopes;      // (H,) ALiBi slopes, or null
+  float cap;                // softcap (0: none): t = cap · tanh(x / cap)
+  int32_t alibi_after_cap;  // 1: t = cap · tanh(x / cap) − slope · |i − j|
+};
+
+// qkv.dropout's counter-based mask: weight (b, h, i, j) is kept when
+// mix(mix(head ^ i·GOLDEN) ^ mix(j·GOLDEN ^ s1)) ≥ threshold, head = mix(bh·GOLDEN + s0).
+struct Drop {
+  int32_t on;
+  uint32_t s0, s1;
+  uint64_t threshold;  // ≤ 2^32
+  float keep_scale;    // 1 / (1 − p), rounded to float
+};
+
+struct Problem {
+  int64_t B, H, Hkv, G, Nq, Nk, D, Dv;
+  int64_t Dp, Dvp;  // D and Dv rounded up to 16: the padded width of packed rows
+  int32_t dtype;
+  int32_t exact_scores;  // 1: scores summed in double (float32 inputs), 0: in float
+  int32_t dot_scores;    // 1: scores as per-key dot products (decoding: Nq·G ≤ 16), 0: gemm
+  View q, k, v, out, dout;
+  float* m;            // (B, H, Nq) row max of the scores (kernel's own units)
+  double* l;           // (B, H, Nq) softmax denominator, relative to m
+  float* lse;          // (B, H, Nq) natural lse for the caller
+  const float* dlse;   // (B, H, Nq) gradient of lse, or null
+  void* dq;            // (B, H, Nq, D) contiguous, dtype
+  void* dk;            // (B, Hkv, Nk, D)
+  void* dv;            // (B, Hkv, Nk, Dv)
+  Layout lay;
+  Mods mods;
+  Drop drop;
+};
+
+// Forward work item: rows of query tile i of (b, kv head hkv) — all G query heads of the group —
+// over the kept tiles [e0, e1) of the tile row (a split of it when split_count > 1).
+struct FwdItem {
+  int32_t b, hkv, i, split;
+  int64_t e0, e1;
+};
+
+struct FwdPlan {
+  const FwdItem* items;
+  int64_t n_items;
+  const int32_t* nsplit;     // per (b, hkv, i): splits of that tile row
+  const int64_t* part_base;  // per (b, hkv, i): first partial slot (nsplit > 1)
+  int32_t* done;             // per (b, hkv, i): splits finished; the last one merges
+  float* part_m;             // per slot: mmax rows
+  double* part_l;            // per slot: mmax rows
+  double* part_acc;          // per slot: mmax × Dvp
+  int64_t mmax;              // most rows of an item: G · bq
+  int8_t* v_finite;          // per (b, hkv, key tile): −1 unknown, 0/1 whether V is finite
+};
+
+// Backward work item: key tiles of chunk c of (b, kv head hkv).
+struct BwdItem {
+  int32_t b, hkv, c;
+};
+
+// The backward walks key-tile columns in chunks. A query tile touched by one chunk only gets its
+// dQ written by that chunk; one touched by several gets one partial per chunk in `store`, summed
+// in chunk order by whichever chunk finishes it last (so the result never depends on timing).
+struct BwdPlan {
+  const BwdItem* items;
+  int64_t n_items;
+  const int32_t* chunk_j;     // (C + 1) chunk c covers key tiles [chunk_j[c], chunk_j[c + 1])
+  const int64_t* chunk_t;     // (C + 1) its touched query tiles: t in [chunk_t[c], chunk_t[c+1])
+  const int32_t* t_tile;      // query tile of touched entry t, in order of first touch
+  const int32_t* t_first;     // first key tile of the chunk touching it
+  const int32_t* t_last;      // last key tile of the chunk touching it
+  const int64_t* t_slot;      // store slot, or −1 when no other chunk touches the tile
+  const int32_t* t_flush;     // per chunk, its touched entries (relative) sorted by t_last
+  const int32_t* local;       // per transposed-CSR entry: its touched entry, relative to chunk
+  const int32_t* chunk_live;  // (C) most tiles of chunk c accumulating at once
+  const int64_t* q_ptr;       // (nqb + 1) per query tile: its store slots ...
+  const int64_t* q_slots;     // ... in chunk order
+  int32_t* done;              // per (b, hkv, query tile): partials stored so far
+  double* store;              // slots × B × Hkv × (G · bq · Dp)
+};
+
+// The compute kernels of one ISA. Each worker pulls items from *next until none is left;
+// *error is set (and the worker stops) if it could not allocate its buffers.
+struct Kernels {
+  const char* name;
+  void (*forward)(const Problem&, const FwdPlan&, int64_t* next, int32_t* error);
+  void (*backward)(const Problem&, const BwdPlan&, int64_t* next, int32_t* error);
+};
+
+namespace portable {
+extern const Kernels kernels;
+}
+#if defined(__x86_64__)
+namespace avx2 {
+extern const Kernels kernels;
+}
+namespace avx512 {
+extern const Kernels kernels;
+}
+#endif
+
+}  // namespace qkv_cpu

@@ -1,0 +1,367 @@
+// The SIMD layer for AVX2 + FMA + F16C (see simd_avx512.h for what each name means). V16 is a
+// pair of 8-float registers; lane masks are all-ones lanes.
+
+#define QKV_ISA_NAME "avx2"
+
+struct V16 { __m256 a, b; };
+struct M16 { __m256 a, b; };
+struct U16 { __m256i a, b; };
+
+// a·b + c exactly as gemm's micro-kernel forms it (fused where gemm fuses)
+static inline float madd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+static inline V16 v_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void v_store(float* p, V16 x) {
+  _mm256_storeu_ps(p, x.a);
+  _mm256_storeu_ps(p + 8, x.b);
+}
+static inline V16 v_set(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+static inline V16 v_add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+static inline V16 v_sub(V16 x, V16 y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+static inline V16 v_mul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline V16 v_div(V16 x, V16 y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
+static inline V16 v_fma(V16 x, V16 y, V16 z) {
+  return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
+}
+static inline V16 v_max(V16 x, V16 y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
+static inline M16 m_bits(uint32_t bits) {
+  const __m256i lane_a = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i lane_b = _mm256_setr_epi32(256, 512, 1024, 2048, 4096, 8192, 16384, 32768);
+  const __m256i w = _mm256_set1_epi32((int)bits);
+  return {_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(w, lane_a), lane_a)),
+          _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(w, lane_b), lane_b))};
+}
+static inline V16 v_select(M16 m, V16 x, V16 y) {
+  return {_mm256_blendv_ps(y.a, x.a, m.a), _mm256_blendv_ps(y.b, x.b, m.b)};
+}
+static inline float hmax8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+static inline float v_hmax(V16 x) { return hmax8(_mm256_max_ps(x.a, x.b)); }
+static inline float v_hsum(V16 x) {
+  __m256 s = _mm256_add_ps(x.a, x.b);
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+static inline M16 v_finite(V16 x) {
+  const __m256 z = _mm256_setzero_ps();
+  return {_mm256_cmp_ps(_mm256_sub_ps(x.a, x.a), z, _CMP_EQ_OQ),
+          _mm256_cmp_ps(_mm256_sub_ps(x.b, x.b), z, _CMP_EQ_OQ)};
+}
+static inline bool m_all(M16 m) {
+  return (_mm256_movemask_ps(m.a) & _mm256_movemask_ps(m.b)) == 0xFF;
+}
+
+static inline V16 v_absdist(int32_t base) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i b = _mm256_set1_epi32(base);
+  __m256i da = _mm256_abs_epi32(_mm256_sub_epi32(b, iota));
+  __m256i db = _mm256_abs_epi32(_mm256_sub_epi32(_mm256_sub_epi32(b, _mm256_set1_epi32(8)), iota));
+  return {_mm256_cvtepi32_ps(da), _mm256_cvtepi32_ps(db)};
+}
+
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654475f);
+  __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 q = _mm256_set1_ps(1.0f / 5040.0f);
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 720.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 120.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 24.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 6.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(0.5f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
+  __m256 e = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
+  // 2^n for n in [−126, 127] built in the exponent field
+  __m256i p2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  e = _mm256_mul_ps(e, _mm256_castsi256_ps(p2));
+  return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+}
+static inline V16 v_exp(V16 x) { return {exp8(x.a), exp8(x.b)}; }
+
+static inline __m256d exp_pd(__m256d x) {
+  __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), x);
+  r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
+  __m256d q = _mm256_set1_pd(1.0 / 6227020800.0);
+  static const double c[12] = {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
+                               1.0 / 362880.0,    1.0 / 40320.0,    1.0 / 5040.0,
+                               1.0 / 720.0,       1.0 / 120.0,      1.0 / 24.0,
+                               1.0 / 6.0,         0.5,              1.0};
+  for (int i = 0; i < 12; ++i) q = _mm256_fmadd_pd(q, r, _mm256_set1_pd(c[i]));
+  __m256d e = _mm256_fmadd_pd(q, r, _mm256_set1_pd(1.0));
+  // 2^n, n in [−1022, 1023], in the exponent field
+  __m128i ni = _mm256_cvtpd_epi32(n);
+  __m256i p2 = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(ni), _mm256_set1_epi64x(1023)), 52);
+  return _mm256_mul_pd(e, _mm256_castsi256_pd(p2));
+}
+static inline __m256d tanh_pd(__m256d u) {
+  const __m256d sign = _mm256_set1_pd(-0.0);
+  __m256d a = _mm256_andnot_pd(sign, u);
+  __m256d ac = _mm256_min_pd(a, _mm256_set1_pd(20.0));
+  __m256d e = exp_pd(_mm256_add_pd(ac, ac));
+  __m256d big = _mm256_div_pd(_mm256_sub_pd(e, _mm256_set1_pd(1.0)),
+                              _mm256_add_pd(e, _mm256_set1_pd(1.0)));
+  __m256d a2 = _mm256_mul_pd(a, a);
+  __m256d small = _mm256_fmadd_pd(a2, _mm256_set1_pd(2.0 / 15.0), _mm256_set1_pd(-1.0 / 3.0));
+  small = _mm256_fmadd_pd(_mm256_mul_pd(small, a2), a, a);
+  __m256d t = _mm256_blendv_pd(big, small, _mm256_cmp_pd(a, _mm256_set1_pd(1.0 / 4096.0), _CMP_LT_OQ));
+  return _mm256_or_pd(t, _mm256_and_pd(u, sign));
+}
+static inline __m256 tanh8(__m256 u) {
+  __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(u));
+  __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1));
+  return _mm256_set_m128(_mm256_cvtpd_ps(tanh_pd(hi)), _mm256_cvtpd_ps(tanh_pd(lo)));
+}
+static inline V16 v_tanh(V16 u) { return {tanh8(u.a), tanh8(u.b)}; }
+
+static inline __m256 mul8_f64(__m256 x, __m256d s) {
+  __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_mul_pd(hi, s)), _mm256_cvtpd_ps(_mm256_mul_pd(lo, s)));
+}
+static inline V16 v_mul_f64(V16 x, double s) {
+  const __m256d sd = _mm256_set1_pd(s);
+  return {mul8_f64(x.a, sd), mul8_f64(x.b, sd)};
+}
+
+static inline void add_f64(double* acc, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 4) {
+    __m256d xv = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+    _mm256_storeu_pd(acc + i, _mm256_add_pd(_mm256_loadu_pd(acc + i), xv));
+  }
+}
+
+static inline U16 u_load(const uint32_t* p) {
+  return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 8))};
+}
+static inline U16 u_xor(U16 x, uint32_t s) {
+  const __m256i sv = _mm256_set1_epi32((int)s);
+  return {_mm256_xor_si256(x.a, sv), _mm256_xor_si256(x.b, sv)};
+}
+static inline __m256i mix8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x6A09E667));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+}
+static inline U16 u_mix(U16 x) { return {mix8(x.a), mix8(x.b)}; }
+// unsigned x ≥ t, by flipping the sign bits and comparing signed
+static inline M16 u_ge(U16 x, uint32_t t) {
+  const __m256i flip = _mm256_set1_epi32((int)0x80000000u);
+  const __m256i tm1 = _mm256_set1_epi32((int)((t - 1u) ^ 0x80000000u));  // x ≥ t ⇔ x > t − 1 (t ≥ 1)
+  __m256i a = _mm256_cmpgt_epi32(_mm256_xor_si256(x.a, flip), tm1);
+  __m256i b = _mm256_cmpgt_epi32(_mm256_xor_si256(x.b, flip), tm1);
+  if (t == 0) a = b = _mm256_set1_epi32(-1);
+  return {_mm256_castsi256_ps(a), _mm256_castsi256_ps(b)};
+}
+
+static inline int64_t cvt_bf16(const uint16_t* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(s + i)));
+    _mm256_storeu_ps(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  return i;
+}
+static inline int64_t cvt_f16(const uint16_t* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
+  return i;
+}
+
+static inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+    _mm256_storeu_ps(dst + (4 + c) * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+  }
+}
+static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  transpose8(src, lds, dst, ldd);
+  transpose8(src + 8, lds, dst + 8 * ldd, ldd);
+  transpose8(src + 8 * lds, lds, dst + 8, ldd);
+  transpose8(src + 8 * lds + 8, lds, dst + 8 * ldd + 8, ldd);
+}
+
+template <int MR, int NV>
+static inline void micro(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
+                         int64_t ldb, float* C, int64_t ldc) {
+  __m256 c[MR][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[m][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    const float* a = A + k * sak;
+    __m256 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + 8 * v);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 av = _mm256_set1_ps(a[m * sam]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[m][v] = _mm256_fmadd_ps(av, bv[v], c[m][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + m * ldc + 8 * v, c[m][v]);
+}
+
+static void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
+                 const float* B, int64_t ldb, float* C, int64_t ldc) {
+  for (int64_t n0 = 0; n0 < N; n0 += 16) {
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
+      const float* a = A + m0 * sam;
+      const float* b = B + n0;
+      float* c = C + m0 * ldc + n0;
+      switch (mr) {
+        case 1: micro<1, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 2: micro<2, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 3: micro<3, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 4: micro<4, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 5: micro<5, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        default: micro<6, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+      }
+    }
+  }
+}
+
+static inline V16 v_dsub(const double* x, double mul, double s, M16 keep) {
+  const __m256d m = _mm256_set1_pd(mul), sd = _mm256_set1_pd(s);
+  const int bits = _mm256_movemask_ps(keep.a) | (_mm256_movemask_ps(keep.b) << 8);
+  const __m256i lane = _mm256_setr_epi64x(1, 2, 4, 8);
+  __m128 r[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m256i w = _mm256_set1_epi64x((bits >> (4 * q)) & 0xF);
+    const __m256d on = _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_and_si256(w, lane), lane));
+    const __m256d v = _mm256_and_pd(_mm256_mul_pd(_mm256_loadu_pd(x + 4 * q), m), on);
+    r[q] = _mm256_cvtpd_ps(_mm256_sub_pd(v, sd));
+  }
+  return {_mm256_set_m128(r[1], r[0]), _mm256_set_m128(r[3], r[2])};
+}
+
+template <int MR, int NV>
+static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak, const double* B,
+                           int64_t ldb, double* C, int64_t ldc) {
+  __m256d c[MR][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[m][v] = _mm256_setzero_pd();
+  for (int64_t k = 0; k < K; ++k) {
+    const double* b = B + k * ldb;
+    const double* a = A + k * sak;
+    __m256d bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_pd(b + 4 * v);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256d av = _mm256_set1_pd(a[m * sam]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[m][v] = _mm256_fmadd_pd(av, bv[v], c[m][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm256_storeu_pd(C + m * ldc + 4 * v, c[m][v]);
+}
+
+static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam, int64_t sak,
+                   const double* B, int64_t ldb, double* C, int64_t ldc) {
+  for (int64_t n0 = 0; n0 < N; n0 += 8) {
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
+      const double* a = A + m0 * sam;
+      const double* b = B + n0;
+      double* c = C + m0 * ldc + n0;
+      switch (mr) {
+        case 1: micro64<1, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 2: micro64<2, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 3: micro64<3, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 4: micro64<4, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 5: micro64<5, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        default: micro64<6, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+      }
+    }
+  }
+}
+
+static inline void acc_chains(double* acc, const float* x, int64_t stride, int64_t n_chains,
+                              double alpha, int64_t n) {
+  const __m256d a = _mm256_set1_pd(alpha);
+  for (int64_t i = 0; i < n; i += 4) {
+    __m256d s = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+    for (int64_t c = 1; c < n_chains; ++c)
+      s = _mm256_add_pd(s, _mm256_cvtps_pd(_mm_loadu_ps(x + c * stride + i)));
+    _mm256_storeu_pd(acc + i, _mm256_fmadd_pd(_mm256_loadu_pd(acc + i), a, s));
+  }
+}
+
+static inline double hsum4d(__m256d x) {
+  __m128d s = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const float* k, int64_t n,
+                              float* out, int64_t lds, double scale) {
+  const int64_t n8 = n & ~int64_t(7);
+  for (int64_t r0 = 0; r0 < M; r0 += 2) {  // two rows share each widened chunk of k
+    const int64_t nr = M - r0 < 2 ? M - r0 : 2;
+    __m256d a[2][2] = {{_mm256_setzero_pd(), _mm256_setzero_pd()},
+                       {_mm256_setzero_pd(), _mm256_setzero_pd()}};
+    for (int64_t d = 0; d < n8; d += 8) {
+      const __m256d k0 = _mm256_cvtps_pd(_mm_loadu_ps(k + d));
+      const __m256d k1 = _mm256_cvtps_pd(_mm_loadu_ps(k + d + 4));
+      for (int64_t r = 0; r < nr; ++r) {
+        const double* qr = q + (r0 + r) * ldq + d;
+        a[r][0] = _mm256_fmadd_pd(_mm256_loadu_pd(qr), k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_pd(_mm256_loadu_pd(qr + 4), k1, a[r][1]);
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const double* qr = q + (r0 + r) * ldq;
+      double s = hsum4d(_mm256_add_pd(a[r][0], a[r][1]));
+      for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
+      out[(r0 + r) * lds] = (float)(s * scale);
+    }
+  }
+}
+static inline void dot_rows32(const float* q, int64_t ldq, int64_t M, const float* k, int64_t n,
+                              float* out, int64_t lds, float scale) {
+  const int64_t n16 = n & ~int64_t(15);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* qr = q + r * ldq;
+    V16 acc = v_set(0.0f);
+    for (int64_t d = 0; d < n16; d += 16) acc = v_fma(v_load(qr + d), v_load(k + d), acc);
+    float s = v_hsum(acc);
+    for (int64_t d = n16; d < n; ++d) s = __builtin_fmaf(qr[d], k[d], s);
+    out[r * lds] = s * scale;
+  }
+}

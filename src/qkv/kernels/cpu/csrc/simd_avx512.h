@@ -1,0 +1,364 @@
+// The SIMD layer for AVX-512 (F, BW, DQ, VL). Included by isa_avx512.cpp inside its namespace,
+// after a target pragma; kernel.h is written against the names defined here.
+//
+// V16 is 16 floats (the unit of the elementwise passes: a 64-key tile row is 4 of them), M16 a
+// lane mask, U16 16 uint32 lanes (the dropout hash). gemm() is the register-blocked
+// micro-kernel every product of the kernel goes through.
+
+#define QKV_ISA_NAME "avx512"
+
+struct V16 { __m512 v; };
+struct M16 { __mmask16 k; };
+struct U16 { __m512i v; };
+
+// a·b + c exactly as gemm's micro-kernel forms it (fused where gemm fuses)
+static inline float madd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+static inline V16 v_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void v_store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+static inline V16 v_set(float s) { return {_mm512_set1_ps(s)}; }
+static inline V16 v_add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline V16 v_sub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline V16 v_mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline V16 v_div(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+static inline V16 v_fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+// max(a, b) with NaN in b propagated (the second operand wins when either is NaN)
+static inline V16 v_max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+static inline M16 m_bits(uint32_t bits) { return {(__mmask16)bits}; }
+static inline V16 v_select(M16 m, V16 a, V16 b) { return {_mm512_mask_blend_ps(m.k, b.v, a.v)}; }
+static inline float v_hmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
+static inline float v_hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+// lanes equal to themselves minus themselves are finite
+static inline M16 v_finite(V16 a) {
+  return {_mm512_cmp_ps_mask(_mm512_sub_ps(a.v, a.v), _mm512_setzero_ps(), _CMP_EQ_OQ)};
+}
+static inline bool m_all(M16 m) { return m.k == 0xFFFF; }
+
+// float(|base − lane|) for lanes 0..15 (ALiBi's distance; base fits in int32)
+static inline V16 v_absdist(int32_t base) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i d = _mm512_sub_epi32(_mm512_set1_epi32(base), iota);
+  return {_mm512_cvtepi32_ps(_mm512_abs_epi32(d))};
+}
+
+// exp(x) in float: x = n·ln2 + r, |r| ≤ ln2/2, e^r by its Taylor series to r^7 (truncation
+// < 0.1 ulp) with one rounding at the end (1 + r·q), scaled by 2^n. exp(0) = 1 exactly,
+// exp(−inf) = 0, NaN stays NaN; results below FLT_MIN are flushed to 0.
+static inline V16 v_exp(V16 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654475f);
+  __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), _mm512_max_ps(lo, x.v));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 q = _mm512_set1_ps(1.0f / 5040.0f);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 720.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  __m512 e = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  e = _mm512_scalef_ps(e, n);
+  __mmask16 tiny = _mm512_cmp_ps_mask(x.v, lo, _CMP_LT_OQ);
+  return {_mm512_mask_blend_ps(tiny, e, _mm512_setzero_ps())};
+}
+
+// e^x in double for 8 lanes, |x| ≤ 700: Taylor series to r^13 after reduction by ln2.
+static inline __m512d exp_pd(__m512d x) {
+  __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);
+  r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
+  __m512d q = _mm512_set1_pd(1.0 / 6227020800.0);
+  static const double c[12] = {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
+                               1.0 / 362880.0,    1.0 / 40320.0,    1.0 / 5040.0,
+                               1.0 / 720.0,       1.0 / 120.0,      1.0 / 24.0,
+                               1.0 / 6.0,         0.5,              1.0};
+  for (int i = 0; i < 12; ++i) q = _mm512_fmadd_pd(q, r, _mm512_set1_pd(c[i]));
+  __m512d e = _mm512_fmadd_pd(q, r, _mm512_set1_pd(1.0));
+  return _mm512_scalef_pd(e, n);
+}
+
+// tanh of 8 doubles: (e^{2a} − 1)/(e^{2a} + 1) for a = |u| ≥ 2^-12 (a > 20 gives 1), its series
+// below, sign restored.
+static inline __m512d tanh_pd(__m512d u) {
+  const __m512d sign = _mm512_set1_pd(-0.0);
+  __m512d a = _mm512_andnot_pd(sign, u);
+  __m512d ac = _mm512_min_pd(a, _mm512_set1_pd(20.0));
+  __m512d e = exp_pd(_mm512_add_pd(ac, ac));
+  __m512d big = _mm512_div_pd(_mm512_sub_pd(e, _mm512_set1_pd(1.0)),
+                              _mm512_add_pd(e, _mm512_set1_pd(1.0)));
+  __m512d a2 = _mm512_mul_pd(a, a);
+  __m512d small = _mm512_fmadd_pd(a2, _mm512_set1_pd(2.0 / 15.0), _mm512_set1_pd(-1.0 / 3.0));
+  small = _mm512_fmadd_pd(_mm512_mul_pd(small, a2), a, a);
+  __mmask8 is_small = _mm512_cmp_pd_mask(a, _mm512_set1_pd(1.0 / 4096.0), _CMP_LT_OQ);
+  __m512d t = _mm512_mask_blend_pd(is_small, big, small);
+  return _mm512_or_pd(t, _mm512_and_pd(u, sign));
+}
+
+// tanh(u), computed in double and rounded once to float
+static inline V16 v_tanh(V16 u) {
+  __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(u.v));
+  __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(u.v, 1));
+  __m256 rl = _mm512_cvtpd_ps(tanh_pd(lo)), rh = _mm512_cvtpd_ps(tanh_pd(hi));
+  return {_mm512_insertf32x8(_mm512_castps256_ps512(rl), rh, 1)};
+}
+
+// float(double(x) · s) and float(double(x) − s): one rounding each
+static inline V16 v_mul_f64(V16 x, double s) {
+  __m512d sd = _mm512_set1_pd(s);
+  __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x.v));
+  __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x.v, 1));
+  __m256 rl = _mm512_cvtpd_ps(_mm512_mul_pd(lo, sd)), rh = _mm512_cvtpd_ps(_mm512_mul_pd(hi, sd));
+  return {_mm512_insertf32x8(_mm512_castps256_ps512(rl), rh, 1)};
+}
+
+// acc[0..n) += x (double), n a multiple of 16
+static inline void add_f64(double* acc, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 xv = _mm512_loadu_ps(x + i);
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(xv));
+    __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(xv, 1));
+    _mm512_storeu_pd(acc + i, _mm512_add_pd(_mm512_loadu_pd(acc + i), lo));
+    _mm512_storeu_pd(acc + i + 8, _mm512_add_pd(_mm512_loadu_pd(acc + i + 8), hi));
+  }
+}
+
+// the dropout hash on 16 lanes
+static inline U16 u_load(const uint32_t* p) { return {_mm512_loadu_si512(p)}; }
+static inline U16 u_xor(U16 a, uint32_t s) { return {_mm512_xor_si512(a.v, _mm512_set1_epi32((int)s))}; }
+static inline U16 u_mix(U16 a) {
+  __m512i x = a.v;
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x6A09E667));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+  return {_mm512_xor_si512(x, _mm512_srli_epi32(x, 15))};
+}
+static inline M16 u_ge(U16 a, uint32_t t) {
+  return {_mm512_cmpge_epu32_mask(a.v, _mm512_set1_epi32((int)t))};
+}
+
+// n values of a bf16 / fp16 row to float (n ≥ 16: the tail is converted by the caller)
+static inline int64_t cvt_bf16(const uint16_t* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + i)));
+    _mm512_storeu_ps(d + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+  return i;
+}
+static inline int64_t cvt_f16(const uint16_t* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + i))));
+  return i;
+}
+
+// dst[c][r] = src[r][c] for a 16×16 block
+static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+    t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+    t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm512_storeu_ps(dst + c * ldd, _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88));
+    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88));
+    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD));
+    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD));
+  }
+}
+
+// C[M×N] = A[M×K] · B[K×N] in float, N a multiple of 16. A's element (m, k) is
+// A[m·sam + k·sak] (so Aᵀ is read by swapping the strides), B's row k starts at B + k·ldb.
+// Every C element is the sequential sum over k of fused multiply-adds, starting from 0,
+// whatever the blocking: the same (m, n) gets the same bits from any call.
+template <int MR, int NV>
+static inline void micro(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
+                         int64_t ldb, float* C, int64_t ldc) {
+  __m512 c[MR][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[m][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    const float* a = A + k * sak;
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512 av = _mm512_set1_ps(a[m * sam]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[m][v] = _mm512_fmadd_ps(av, bv[v], c[m][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + m * ldc + 16 * v, c[m][v]);
+}
+
+template <int NV>
+static inline void micro_rows(int64_t mr, int64_t K, const float* A, int64_t sam, int64_t sak,
+                              const float* B, int64_t ldb, float* C, int64_t ldc) {
+  switch (mr) {
+    case 1: micro<1, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
+    case 2: micro<2, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
+    case 3: micro<3, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
+    case 4: micro<4, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
+    case 5: micro<5, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
+    default: micro<6, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
+  }
+}
+
+static void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
+                 const float* B, int64_t ldb, float* C, int64_t ldc) {
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const int64_t nv = (N - n0) / 16 < 4 ? (N - n0) / 16 : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
+      const float* a = A + m0 * sam;
+      float* c = C + m0 * ldc + n0;
+      switch (nv) {
+        case 1: micro_rows<1>(mr, K, a, sam, sak, B + n0, ldb, c, ldc); break;
+        case 2: micro_rows<2>(mr, K, a, sam, sak, B + n0, ldb, c, ldc); break;
+        case 3: micro_rows<3>(mr, K, a, sam, sak, B + n0, ldb, c, ldc); break;
+        default: micro_rows<4>(mr, K, a, sam, sak, B + n0, ldb, c, ldc); break;
+      }
+    }
+  }
+}
+
+// float((keep ? x·mul : 0) − s) for 16 doubles x: one rounding (the backward's dP − Δ)
+static inline V16 v_dsub(const double* x, double mul, double s, M16 keep) {
+  const __m512d m = _mm512_set1_pd(mul), sd = _mm512_set1_pd(s);
+  __m512d lo = _mm512_maskz_mul_pd((__mmask8)(keep.k & 0xFF), _mm512_loadu_pd(x), m);
+  __m512d hi = _mm512_maskz_mul_pd((__mmask8)(keep.k >> 8), _mm512_loadu_pd(x + 8), m);
+  __m256 rl = _mm512_cvtpd_ps(_mm512_sub_pd(lo, sd)), rh = _mm512_cvtpd_ps(_mm512_sub_pd(hi, sd));
+  return {_mm512_insertf32x8(_mm512_castps256_ps512(rl), rh, 1)};
+}
+
+// C[M×N] = A[M×K] · B[K×N] in double, N a multiple of 8; conventions of gemm. Used where fp32
+// products must be summed without rounding (products of floats are exact in double).
+template <int MR, int NV>
+static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak, const double* B,
+                           int64_t ldb, double* C, int64_t ldc) {
+  __m512d c[MR][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[m][v] = _mm512_setzero_pd();
+  for (int64_t k = 0; k < K; ++k) {
+    const double* b = B + k * ldb;
+    const double* a = A + k * sak;
+    __m512d bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_pd(b + 8 * v);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512d av = _mm512_set1_pd(a[m * sam]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[m][v] = _mm512_fmadd_pd(av, bv[v], c[m][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_pd(C + m * ldc + 8 * v, c[m][v]);
+}
+
+static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam, int64_t sak,
+                   const double* B, int64_t ldb, double* C, int64_t ldc) {
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    const int64_t nv = (N - n0) / 8 < 4 ? (N - n0) / 8 : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
+      const double* a = A + m0 * sam;
+      double* c = C + m0 * ldc + n0;
+      const double* b = B + n0;
+#define QKV_M64(NVV)                                                   \
+  switch (mr) {                                                        \
+    case 1: micro64<1, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    case 2: micro64<2, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    case 3: micro64<3, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    case 4: micro64<4, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    case 5: micro64<5, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    default: micro64<6, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;  \
+  }
+      switch (nv) {
+        case 1: QKV_M64(1) break;
+        case 2: QKV_M64(2) break;
+        case 3: QKV_M64(3) break;
+        default: QKV_M64(4) break;
+      }
+#undef QKV_M64
+    }
+  }
+}
+
+// acc[0..n) = acc·alpha + Σ_c x[c·stride + i] for n_chains ≤ 4 float partials, in double
+static inline void acc_chains(double* acc, const float* x, int64_t stride, int64_t n_chains,
+                              double alpha, int64_t n) {
+  const __m512d a = _mm512_set1_pd(alpha);
+  for (int64_t i = 0; i < n; i += 8) {
+    __m512d s = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    for (int64_t c = 1; c < n_chains; ++c)
+      s = _mm512_add_pd(s, _mm512_cvtps_pd(_mm256_loadu_ps(x + c * stride + i)));
+    _mm512_storeu_pd(acc + i, _mm512_fmadd_pd(_mm512_loadu_pd(acc + i), a, s));
+  }
+}
+
+// out[r·lds] = Σ_d q[r][d]·k[d] for rows r < M: the decoding form of the scores (one key row
+// against few query rows). Sums run in 8 double lanes over d, then the lanes in a fixed tree;
+// tails past a multiple of 8 are summed after, in order. float: 16 float lanes likewise.
+static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const float* k, int64_t n,
+                              float* out, int64_t lds, double scale) {
+  const int64_t n8 = n & ~int64_t(7);
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {  // four rows share each widened chunk of k
+    const int64_t nr = M - r0 < 4 ? M - r0 : 4;
+    __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
+                      _mm512_setzero_pd()};
+    for (int64_t d = 0; d < n8; d += 8) {
+      const __m512d kd = _mm512_cvtps_pd(_mm256_loadu_ps(k + d));
+      for (int64_t r = 0; r < nr; ++r)
+        acc[r] = _mm512_fmadd_pd(_mm512_loadu_pd(q + (r0 + r) * ldq + d), kd, acc[r]);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const double* qr = q + (r0 + r) * ldq;
+      double s = _mm512_reduce_add_pd(acc[r]);
+      for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
+      out[(r0 + r) * lds] = (float)(s * scale);
+    }
+  }
+}
+static inline void dot_rows32(const float* q, int64_t ldq, int64_t M, const float* k, int64_t n,
+                              float* out, int64_t lds, float scale) {
+  const int64_t n16 = n & ~int64_t(15);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* qr = q + r * ldq;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n16; d += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(k + d), acc);
+    float s = _mm512_reduce_add_ps(acc);
+    for (int64_t d = n16; d < n; ++d) s = __builtin_fmaf(qr[d], k[d], s);
+    out[r * lds] = s * scale;
+  }
+}

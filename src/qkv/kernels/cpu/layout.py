@@ -1,0 +1,138 @@
+"""What the compiled CPU kernel reads of a problem's block layout.
+
+The tiles themselves come from `qkv.layout` — the one place that works out which tiles are
+EMPTY, PARTIAL or FULL — as `layout_for(plan, block_q, 64)` (or the `BlockLayout` the caller
+holds, when it has these tile sizes). A tile is 64 keys wide, so a tile row's allowed keys fit
+in one uint64. This module only re-encodes that layout for the kernel:
+
+- `row_ptr (nqb + 1)`, `col_idx (nnz)`, `code (nnz)`: the kept tiles of each query-tile row,
+  left to right (the layout's compressed rows); a tile's code is `TILE_FULL` (−1) or its index
+  p into `bits`;
+- `col_ptr (nkb + 1)`, `row_idx (nnz)`, `code_t (nnz)`: the same tiles by key-tile column, top
+  to bottom, with the same codes (the layout's compressed columns: the backward's walk);
+- `bits (P, Bm, Hm, block_q)` int64 read as uint64: bit c of `bits[p, b, h, r]` says whether row
+  r of PARTIAL tile p may attend to key c of the tile, for batch element b and head h
+  (`Bm`, `Hm` are 1 when the mask does not depend on them). Bits past Nq or Nk are 0.
+
+The bits are evaluated with `qkv.layout.allowed` on the PARTIAL tiles only, a chunk of tiles at
+a time, so memory stays O(kept tiles): a sliding window at N = 1,048,576 builds in seconds and a
+few MiB. `kernel_layout` keeps the result in qkv's cache (`qkv.cache.CACHE`) beside the
+layout: per Mask (held weakly) for structured masks, by shape for plain and causal problems,
+never for bool mask tensors (their content may change between calls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...cache import CACHE
+from ...layout import BlockLayout, allowed, layout_for
+from ...plan import AttentionPlan
+
+BLOCK_K = 64  # keys per tile: one uint64 of mask bits per tile row
+TILE_FULL = -1  # the code of a FULL tile
+BITS_CHUNK = 1 << 18  # mask pairs evaluated at once (PARTIAL tiles × Bm × Hm × block_q × 64)
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    """Kept tiles of one problem, in the form the compiled kernel reads (module docstring)."""
+
+    block_q: int  # query rows per tile
+    q_len: int  # Nq
+    kv_len: int  # Nk
+    row_ptr: torch.Tensor  # int64 (nqb + 1)
+    col_idx: torch.Tensor  # int32 (nnz): key tile of each kept tile, by query-tile row
+    code: torch.Tensor  # int32 (nnz): TILE_FULL or index into bits
+    col_ptr: torch.Tensor  # int64 (nkb + 1)
+    row_idx: torch.Tensor  # int32 (nnz): query tile of each kept tile, by key-tile column
+    code_t: torch.Tensor  # int32 (nnz)
+    bits: torch.Tensor  # int64 (P, Bm, Hm, block_q): allowed keys of PARTIAL tiles' rows
+
+    @property
+    def kept_tiles(self) -> int:
+        return int(self.col_idx.numel())
+
+    @property
+    def partial_tiles(self) -> int:
+        return int(self.bits.shape[0])
+
+
+def mask_dims(plan: AttentionPlan) -> tuple[int, int]:
+    """(Bm, Hm): how many batch elements / heads the allowed pairs differ over (1 or B, 1 or H)."""
+    rule, mask = plan.mask_rule, plan.mask
+    bm = max(rule.batch or 1 if rule is not None else 1, mask.shape[0] if mask is not None else 1)
+    hm = max(rule.heads or 1 if rule is not None else 1, mask.shape[1] if mask is not None else 1)
+    return bm, hm
+
+
+_BYTE_BITS = 1 << torch.arange(8, dtype=torch.uint8)  # weights of the 8 bits of a byte
+
+
+def pack_bits(ok: torch.Tensor) -> torch.Tensor:
+    """`(..., 64)` bool → `(...)` int64 with bit c set where key c is allowed: 8 keys to a byte,
+    then the 8 bytes read as one little-endian int64 (the byte order of x86 and ARM)."""
+    eights = ok.reshape(*ok.shape[:-1], 8, 8).to(torch.uint8) * _BYTE_BITS
+    return eights.sum(-1, dtype=torch.uint8).contiguous().view(torch.int64).squeeze(-1)
+
+
+def partial_bits(
+    plan: AttentionPlan, rows: torch.Tensor, cols: torch.Tensor, block_q: int
+) -> torch.Tensor:
+    """bits `(P, Bm, Hm, block_q)` int64 of the PARTIAL tiles at (query tile, key tile) =
+    (rows[p], cols[p]), evaluated by `qkv.layout.allowed` a chunk of tiles at a time."""
+    nq, nk = plan.q_len, plan.kv_len
+    bm, hm = mask_dims(plan)
+    out = torch.empty(rows.numel(), bm, hm, block_q, dtype=torch.int64)
+    per = max(1, BITS_CHUNK // (block_q * BLOCK_K * bm * hm))
+    r_off = torch.arange(block_q).view(1, block_q, 1)
+    c_off = torch.arange(BLOCK_K).view(1, 1, BLOCK_K)
+    b = torch.arange(bm).view(-1, 1, 1, 1, 1)
+    h = torch.arange(hm).view(1, -1, 1, 1, 1)
+    mask = None if plan.mask is None else plan.mask.cpu()
+    for a in range(0, rows.numel(), per):
+        r = rows[a : a + per].view(-1, 1, 1) * block_q + r_off  # (p, bq, 1)
+        c = cols[a : a + per].view(-1, 1, 1) * BLOCK_K + c_off  # (p, 1, 64)
+        ok = allowed(b, h, r.clamp(max=nq - 1), c.clamp(max=nk - 1), q_len=nq, kv_len=nk,
+                     causal=plan.causal, rule=plan.mask_rule, mask=mask)  # fmt: skip
+        inside = (r < nq) & (c < nk)
+        ok = inside if ok is None else ok & inside
+        ok = torch.broadcast_to(ok, (bm, hm, r.shape[0], block_q, BLOCK_K))
+        out[a : a + per] = pack_bits(ok).permute(2, 0, 1, 3)
+    return out
+
+
+def encode(plan: AttentionPlan, lay: BlockLayout) -> CpuLayout:
+    """`lay` (a `block_q × 64` BlockLayout of `plan`) as the kernel's arrays, with the bits of
+    its PARTIAL tiles."""
+    if lay.block_k != BLOCK_K:
+        raise ValueError(f"the compiled kernel reads 64-key tiles, got block_k={lay.block_k}")
+    partial = (~lay.full).nonzero().view(-1)  # forward indices, in forward order
+    code = torch.full((lay.nnz,), TILE_FULL, dtype=torch.int32)
+    code[partial] = torch.arange(partial.numel(), dtype=torch.int32)
+    rows = lay.tile_rows()
+    return CpuLayout(
+        block_q=lay.block_q,
+        q_len=lay.q_len,
+        kv_len=lay.kv_len,
+        row_ptr=lay.row_ptr,
+        col_idx=lay.col.to(torch.int32),
+        code=code,
+        col_ptr=lay.col_ptr,
+        row_idx=rows[lay.by_col].to(torch.int32),
+        code_t=code[lay.by_col],
+        bits=partial_bits(plan, rows[partial], lay.col[partial], lay.block_q),
+    )
+
+
+def kernel_layout(plan: AttentionPlan, block_q: int) -> CpuLayout:
+    """The kernel's arrays for `plan` with `block_q × 64` tiles, from qkv's cache (module
+    docstring)."""
+    if plan.mask is not None:
+        return encode(plan, layout_for(plan, block_q, BLOCK_K))
+    key = ("cpu-layout", plan.q_len, plan.kv_len, block_q, plan.causal, *mask_dims(plan))
+    return CACHE.get(
+        key, lambda: encode(plan, layout_for(plan, block_q, BLOCK_K)), owner=plan.mask_rule
+    )

@@ -1,0 +1,178 @@
+"""`cpu` backend: qkv's compiled block-sparse FlashAttention-2 for the CPU (C++, `kernels/cpu/`).
+
+The same algorithm as `tiled` (which stays the readable reference of it), compiled: the forward
+walks the kept `block_q × 64` tiles of the block layout (`qkv.layout`, re-encoded with the
+PARTIAL tiles' bits by `cpu/layout.py`) row by row and saves
+each row's max m and denominator l; the backward walks them column by column and recomputes the
+probabilities from (m, l). EMPTY tiles are never computed, FULL tiles run with no mask
+arithmetic, PARTIAL tiles are masked by their bits. Grouped kv heads are read once per group;
+ALiBi and softcap run inside the tiles; dropout uses `qkv.dropout`'s counter-based hash, so it
+drops exactly what the reference backend drops. Products accumulate in float (≤ 64 terms per
+tile) and across tiles in double, which makes the kernel more accurate than the float32
+reference; the forward and the backward compute every score with the same instructions.
+
+Threads: torch's intra-op pool (`torch.set_num_threads` holds), one parallel region per call,
+items pulled from a shared counter, so a busy core slows a call by its share only. Rows of tiles
+(forward) and chunks of key columns (backward) are cut finely enough to keep every thread busy
+even for B·H = 1; a few long rows (decoding: Nq ≤ 16 against a long KV cache) are split across
+threads and merged by their log-sum-exp.
+
+Masked-out keys are kept out of every row without the caller's `finite_inputs` promise, with no
+host sync: in PARTIAL tiles the mask selects −inf in place of the score (a NaN score of a
+masked key is replaced, never added to), keys past Nk are never loaded, and P·V runs a
+zero-skipping product for a V tile that holds NaN/inf (checked in the kernel while it reads the
+tile), so 0·NaN never reaches a row; the backward zeroes non-finite K/V entries of the tiles it
+packs. Fully masked rows give output 0, lse −inf and zero gradients.
+
+What it refuses (`why_not`), each with its reason: float64 (it computes in float32; tiled runs
+float64), returned weights, float masks (additive bias), score modifiers other than ALiBi and
+softcap (relative_bias has a learnable table; a Python modifier cannot be compiled), tensors not
+on the CPU, and a kernel that could not be built (no compiler: see `qkv build`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import AttentionPlan
+from .base import Result
+
+# fp16/bf16/fp32 inputs; everything accumulates in float32/float64 inside
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Below these score elements per head (Nq·Nk), torch SDPA beat the kernel on requests it can
+# run (fixed cost of a call against SDPA's ~20 µs), measured with benchmarks/cpu.py on 2 cores:
+# float32 from about 200×200 (the backward's crossover; the forward's is ~64×64), 16-bit from
+# about 32×32.
+SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.float16: 32 * 32}
+
+
+def default_block_q(groups: int, masked: bool) -> int:
+    """Query rows per tile: 128 without a mask (dense and causal: each packed key tile serves
+    more rows), 64 with one (finer skipping), fewer when G query heads share a kv head (an item's
+    rows are the tile's rows of all G heads), but at least 16."""
+    rows = 64 if masked else 128
+    bq = rows
+    while bq > 16 and bq * groups > rows:
+        bq //= 2
+    return bq
+
+
+def _mods(plan: AttentionPlan) -> tuple[tuple[torch.Tensor | None, float, bool] | None, str | None]:
+    """`((slopes, softcap, alibi_after_softcap), None)` for the kernel, or `(None, reason)`."""
+    mod = plan.score_mod
+    if mod is None:
+        return (None, 0.0, False), None
+    if mod.parts is None:
+        return None, (
+            f"score_mod {mod!r} is Python code the compiled kernel cannot run (it runs alibi and "
+            "softcap from qkv.scores; tiled runs any modifier)"
+        )
+    slopes, cap, after = None, 0.0, False
+    for part in mod.parts:
+        if part[0] == "alibi" and slopes is None:
+            slopes, after = part[1], cap != 0.0
+        elif part[0] == "softcap" and cap == 0.0:
+            cap = float(part[1])
+        elif part[0] == "rel":
+            return None, "relative_bias has a learnable table the compiled kernel does not train"
+        else:
+            return None, f"the compiled kernel runs at most one {part[0]} modifier"
+    return (slopes, cap, after), None
+
+
+def kernel_status() -> tuple[str | None, str | None]:
+    """`(isa, None)`: the compiled kernel is loaded (built on first use) and runs that
+    instruction-set path; `(None, reason)` when it cannot run. torch.compile calls it while
+    tracing and keeps the answer as a constant of the graph (`QKV_CPU_ISA` is read then)."""
+    from . import cpu
+
+    try:
+        ops = cpu.load()
+    except cpu.KernelUnavailable as err:
+        return None, f"the compiled CPU kernel is unavailable: {err} (see `qkv build`)"
+    return cpu.isa.choose(ops)
+
+
+# What `torch.compiler.assume_constant_result(kernel_status)` does, without importing
+# torch._dynamo at `import qkv` (as `tiled_op.handle` does).
+kernel_status._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+class CpuBackend:
+    """qkv's compiled CPU kernel (module docstring). `block_q`: query rows per tile (default
+    `default_block_q(G)`); a tile is always 64 keys wide."""
+
+    name = "cpu"
+
+    def __init__(self, block_q: int | None = None):
+        if block_q is not None and (
+            isinstance(block_q, bool) or not isinstance(block_q, int) or block_q < 1
+        ):
+            raise ValueError(f"block_q must be a positive int or None, got {block_q!r}")
+        self.block_q = block_q
+
+    def __repr__(self) -> str:
+        return "CpuBackend()" if self.block_q is None else f"CpuBackend(block_q={self.block_q})"
+
+    def why_not(
+        self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> str | None:
+        if plan.device.type != "cpu":
+            return f"tensors are on {plan.device}; the cpu backend runs on CPU tensors"
+        if plan.dtype not in _DTYPES:
+            return (
+                f"the compiled CPU kernel computes float32 (from fp32/bf16/fp16 inputs), "
+                f"not {plan.dtype}; tiled runs it"
+            )
+        if plan.return_weights:
+            return "the cpu backend never materialises the attention weights (use 'reference')"
+        if plan.bias is not None:
+            return "a float mask (additive bias) is not read by the compiled kernel; tiled takes it"
+        _, why = _mods(plan)
+        if why is not None:
+            return why
+        return kernel_status()[1]
+
+    def auto_skip(self, plan: AttentionPlan) -> str | None:
+        """Why `auto` lets the next backend run a request this one could (None: it doesn't):
+        tiny problems that torch SDPA can run (no lse, dropout, score modifier, structured mask
+        or float mask) are faster there."""
+        plain = not (plan.return_lse or plan.dropout_p > 0 or plan.score_mod is not None)
+        plain = plain and plan.mask_rule is None and plan.bias is None
+        limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
+        if plain and plan.q_len * plan.kv_len < limit:
+            return (
+                f"torch SDPA is faster below {limit} scores per head (this request has "
+                f"{plan.q_len}×{plan.kv_len})"
+            )
+        return None
+
+    def forward(
+        self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> Result:
+        from . import cpu_op
+        from .cpu.layout import BLOCK_K
+        from .tiled_op import handle
+
+        isa, why = kernel_status()
+        if why is None:
+            mods, why = _mods(plan)
+        if why is not None:
+            raise NotImplementedError(f"backend='cpu' cannot run this request: {why}")
+        slopes, softcap, alibi_after = mods
+        masked = plan.mask is not None or plan.mask_rule is not None
+        bq = self.block_q or default_block_q(plan.groups, masked)
+        held = plan.layout
+        if self.block_q is None and held is not None and held.block_k == BLOCK_K:
+            bq = held.block_q  # the caller's layout is read as it is, not rebuilt
+        seed = plan.dropout_seed if plan.dropout_p > 0 else None
+        if seed is not None and not isinstance(seed, torch.Tensor):
+            seed = torch.tensor(seed, dtype=torch.int64)
+        # Without a gradient, the op alone (Function.apply binds its arguments on every call).
+        call = cpu_op.CpuAttention.apply if plan.wants_grad else cpu_op.cpu_forward
+        out, lse, _, _ = call(
+            q, k, v, plan.mask, seed, None if slopes is None else slopes.to(torch.float32),
+            plan.scale, plan.causal, plan.dropout_p, softcap, alibi_after,
+            handle(plan.mask_rule), handle(plan.layout), bq, isa,
+        )  # fmt: skip
+        return out, lse, None

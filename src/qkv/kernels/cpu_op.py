@@ -1,0 +1,154 @@
+"""The compiled CPU kernel as two `torch.library` custom ops, `qkv::cpu_forward` and
+`qkv::cpu_backward`, with fake (meta) implementations; `CpuAttention` ties them together for
+autograd.
+
+The C++ ops (`torch.ops.qkv_cpu.forward` / `backward`, registered by `cpu/csrc/ops.cpp`) read
+the kernel's block layout as tensors. Building that layout is Python (`qkv.layout` and qkv's
+cache), so it happens inside these ops, never in a traced graph: `torch.compile` sees each op
+as one opaque node with known output shapes and traces a model through the kernel without a
+graph break. Everything an op needs travels as tensors and numbers; the structured `Mask` and a
+held `BlockLayout` as the tiled ops' integer handles (`tiled_op.handle`), so a compiled graph
+specialises on them. The dropout seed is a tensor read inside the op (no host read in the
+graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..numerics import once_differentiable
+from .cpu import load
+from .cpu.layout import kernel_layout
+from .tiled_op import lookup
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """What the layout reads of a plan, rebuilt from an op's arguments."""
+
+    q_len: int
+    kv_len: int
+    causal: bool
+    mask: torch.Tensor | None
+    mask_rule: Any
+    layout: Any
+
+
+def _layout(q, k, mask, causal: bool, rule: int, held: int, block_q: int):
+    problem = _Problem(q.shape[2], k.shape[2], causal, mask, lookup(rule), lookup(held))
+    return kernel_layout(problem, block_q)  # type: ignore[arg-type]
+
+
+def _seed(seed: torch.Tensor | None) -> int:
+    return 0 if seed is None else int(seed)
+
+
+def forward_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    slopes: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    dropout_p: float,
+    softcap: float,
+    alibi_after: bool,
+    rule: int,
+    held: int,
+    block_q: int,
+    isa: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(out, lse, m, l)`: each row's max m (float32) and denominator l (float64) are what the
+    backward needs."""
+    L = _layout(q, k, mask, causal, rule, held, block_q)
+    out, m, l, lse = load().forward(
+        q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.block_q, scale, slopes, softcap,
+        alibi_after, dropout_p, _seed(seed), isa,
+    )  # fmt: skip
+    return out, lse, m, l
+
+
+cpu_forward = torch.library.custom_op("qkv::cpu_forward", forward_impl, mutates_args=())
+
+
+@cpu_forward.register_fake
+def _(q, k, v, *args):
+    B, H, Nq, _ = q.shape
+    return (
+        q.new_empty(B, H, Nq, v.shape[-1]),
+        q.new_empty(B, H, Nq, dtype=torch.float32),
+        q.new_empty(B, H, Nq, dtype=torch.float32),
+        q.new_empty(B, H, Nq, dtype=torch.float64),
+    )
+
+
+def backward_impl(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    m: torch.Tensor,
+    l: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    slopes: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    dropout_p: float,
+    softcap: float,
+    alibi_after: bool,
+    rule: int,
+    held: int,
+    block_q: int,
+    isa: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(dq, dk, dv)` of `cpu_forward`'s out and lse."""
+    L = _layout(q, k, mask, causal, rule, held, block_q)
+    return load().backward(
+        dout, dlse, q, k, v, out, m, l, L.col_ptr, L.row_idx, L.code_t, L.bits, L.block_q,
+        scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), isa,
+    )  # fmt: skip
+
+
+cpu_backward = torch.library.custom_op("qkv::cpu_backward", backward_impl, mutates_args=())
+
+
+@cpu_backward.register_fake
+def _(dout, dlse, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+class CpuAttention(torch.autograd.Function):
+    """Autograd around the two ops: `apply(q, k, v, mask, seed, slopes, scale, causal,
+    dropout_p, softcap, alibi_after, rule, held, block_q, isa)` → `(out, lse, m, l)`."""
+
+    @staticmethod
+    def forward(q, k, v, *args):  # type: ignore[override]
+        return cpu_forward(q, k, v, *args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        q, k, v, mask, seed, slopes, *rest = inputs
+        out, _, m, l = output
+        ctx.save_for_backward(q, k, v, out, m, l, mask, seed, slopes)
+        ctx.args = tuple(rest)
+        if not torch.compiler.is_compiling():  # eager: the Mask lives until the backward
+            ctx.alive = (lookup(rest[-4]), lookup(rest[-3]))
+        ctx.mark_non_differentiable(m, l)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dm, _dl):  # type: ignore[override]
+        q, k, v, out, m, l, mask, seed, slopes = ctx.saved_tensors
+        with torch.no_grad():
+            if dout is None:
+                dout = torch.zeros_like(out)
+            grads = cpu_backward(dout, dlse, q, k, v, out, m, l, mask, seed, slopes, *ctx.args)
+        return *once_differentiable("cpu", grads, (q, k, v)), *([None] * 12)

@@ -1,0 +1,351 @@
+"""The compiled CPU kernel (`backend="cpu"`) against the fp64 golden, under the error-ratio rule.
+
+Runs the kernel's instruction-set path that `QKV_CPU_ISA` selects (the widest the CPU has by
+default); CI runs this module once per path. Small tiles (`block_q=16`) make awkward sizes cross
+many tile boundaries; the default tiles run too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv import masks, scores
+from qkv.kernels import CpuBackend
+
+from ..helpers import assert_error_ratio, golden, make_qkv
+from .cpu_kernel import require_kernel
+
+OPS, ISA = require_kernel()
+
+BACKENDS = {"cpu": CpuBackend(), "cpu-bq16": CpuBackend(block_q=16)}
+CASES = {
+    "N1": dict(B=1, H=2, Nq=1, D=8),
+    "N2": dict(B=2, H=1, Nq=2, D=8),
+    "N17-D40": dict(B=1, H=3, Nq=17, D=40),
+    "N97-D59": dict(B=2, H=2, Nq=97, D=59),
+    "N255-D64": dict(B=1, H=2, Nq=255, D=64),
+    "N1025-D128": dict(B=1, H=1, Nq=1025, D=128),
+    "Nq<Nk": dict(B=1, H=2, Nq=17, Nk=97, D=8),
+    "Nq>Nk": dict(B=1, H=2, Nq=97, Nk=17, D=8),
+    "Dv!=D": dict(B=1, H=2, Nq=65, D=40, Dv=24),
+    "GQA-6-2": dict(B=2, H=6, Hkv=2, Nq=33, Nk=70, D=16),
+    "MQA-4-1": dict(B=1, H=4, Hkv=1, Nq=40, D=8),
+}
+LOW = [torch.bfloat16, torch.float16]
+
+
+def _dout(shape, seed=2):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _check_grads(be, q, k, v, dtype, mask_ref=None, **kw):
+    """Output and dq, dk, dv of `be` against the golden, the reference in `dtype` the bar."""
+    mask = kw.pop("mask", None)
+    out = qkv.attention(q, k, v, mask=mask, backend=be, **kw)
+    dout = _dout(out.shape)
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    ref_mask = mask if mask_ref is None else mask_ref
+    ref = qkv.attention(q, k, v, mask=ref_mask, backend="reference", **kw)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.to(dtype))
+    g64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    gold = qkv.attention(*g64, mask=ref_mask, backend="reference", **kw)
+    gold_grads = torch.autograd.grad(gold, g64, dout.double())
+    assert out.dtype == dtype
+    assert_error_ratio(out, ref, gold)
+    for name, a, r, g in zip("qkv", grads, ref_grads, gold_grads, strict=True):
+        assert a.dtype == dtype and a.shape == g.shape
+        assert_error_ratio(a, r, g, factor=3.0, what=f"d{name}")
+
+
+def test_the_kernel_runs_the_requested_isa():
+    assert ISA in ("avx512", "avx2", "portable")
+    assert bool(OPS.isa_supported(ISA))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("be", list(BACKENDS))
+def test_forward_error_ratio(be, case, causal, dtype):
+    q, k, v = make_qkv(**CASES[case], dtype=dtype)
+    out, lse = qkv.attention(q, k, v, causal=causal, backend=BACKENDS[be], return_lse=True)
+    ref, ref_lse = qkv.attention(q, k, v, causal=causal, backend="reference", return_lse=True)
+    gold, gold_lse = golden(q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_error_ratio(out, ref, gold)
+    assert_error_ratio(lse, ref_lse, gold_lse, what="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["N17-D40", "N97-D59", "Nq<Nk", "Nq>Nk", "Dv!=D", "GQA-6-2"])
+@pytest.mark.parametrize("be", list(BACKENDS))
+def test_gradient_error_ratio(be, case, causal, dtype):
+    q, k, v = make_qkv(**CASES[case], dtype=dtype, requires_grad=True)
+    _check_grads(BACKENDS[be], q, k, v, dtype, causal=causal)
+
+
+def test_gradients_of_a_long_row_in_float16():
+    q, k, v = make_qkv(B=1, H=2, Nq=150, Nk=700, D=32, dtype=torch.float16, requires_grad=True)
+    _check_grads(CpuBackend(), q, k, v, torch.float16, causal=True)
+
+
+PATTERNS = {
+    "window": lambda n: masks.sliding_window(5),
+    "causal-local": lambda n: masks.sliding_window(6, 0),
+    "longformer": lambda n: masks.sliding_window(4) | masks.global_tokens([0, n // 2]),
+    "bigbird": lambda n: masks.bigbird(window=1, n_global=1, n_random=1, block=8, seed=1),
+    "document": lambda n: masks.document([n // 3, n - n // 3 - 5, 5]),
+    "prefix_lm": lambda n: masks.prefix_lm(n // 4),
+    "strided": lambda n: masks.strided(5) & masks.causal(),
+    "fixed": lambda n: masks.fixed(8, 2),
+    "dilated": lambda n: masks.dilated_window(3, 3),
+    "and-not": lambda n: masks.causal() & ~masks.sliding_window(2),
+    "padding": lambda n: masks.padding([n, n // 3]),
+    "custom": lambda n: masks.Mask(lambda b, h, q, kv: (q + kv) % 3 != 0, "custom"),
+    "per-head": lambda n: masks.from_tensor(
+        torch.rand(4, n, n, generator=torch.Generator().manual_seed(7)) > 0.5
+    ),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])
+@pytest.mark.parametrize("n", [50, 130])
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_mask_pattern_forward_and_gradients(name, n, causal):
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=n, D=8, requires_grad=True)
+    m = PATTERNS[name](n)
+    _check_grads(CpuBackend(block_q=16), q, k, v, torch.float32, mask_ref=m.dense4(n, n),
+                 mask=m, causal=causal)  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", ["batch", "head", "rows-only", "full"])
+def test_bool_mask_tensor(shape):
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=70, Nk=90, D=16, requires_grad=True)
+    g = torch.Generator().manual_seed(3)
+    dims = {"batch": (2, 1, 70, 90), "head": (1, 4, 70, 90), "rows-only": (70, 1),
+            "full": (2, 4, 70, 90)}[shape]  # fmt: skip
+    mask = torch.rand(dims, generator=g) > 0.4
+    _check_grads(CpuBackend(), q, k, v, torch.float32, mask=mask, causal=True)
+
+
+def test_rows_that_see_a_single_key_have_exact_zero_gradient_where_the_golden_does():
+    # Every row sees exactly one key, so P = 1 and the softmax's gradient is 0 for q and k: the
+    # kernel's dP − Δ must cancel exactly (dP and Δ are summed the same way, in double).
+    q, k, v = make_qkv(B=1, H=2, Nq=150, D=24, requires_grad=True)
+    out = qkv.attention(q, k, v, mask=masks.sliding_window(0), backend="cpu")
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), _dout(out.shape))
+    assert torch.equal(out, v.detach().expand_as(out))
+    assert (dq == 0).all() and (dk == 0).all()
+    torch.testing.assert_close(dv, _dout(out.shape), rtol=0, atol=0)
+
+
+def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_gradients():
+    q, k, v = make_qkv(B=1, H=2, Nq=40, Nk=40, D=8, requires_grad=True)
+    mask = torch.ones(40, 40, dtype=torch.bool)
+    mask[5] = False
+    mask[30:, :] = False  # whole tiles of empty rows too (block_q=16)
+    out, lse = qkv.attention(q, k, v, mask=mask, backend=CpuBackend(16), return_lse=True)
+    assert (out[:, :, 5] == 0).all() and (out[:, :, 30:] == 0).all()
+    assert torch.isneginf(lse[:, :, 5]).all() and torch.isneginf(lse[:, :, 30:]).all()
+    dq, dk, dv = torch.autograd.grad((out.sum(), lse[:, :, :5].sum()), (q, k, v))
+    assert (dq[:, :, 5] == 0).all() and (dq[:, :, 30:] == 0).all()
+    assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
+
+
+def test_nan_and_inf_in_masked_keys_and_values_do_not_leak():
+    # Keys 66 … 69 hold garbage that no row may see (some in FULL-looking tiles of the causal
+    # layout, some in PARTIAL ones): outputs and gradients stay those of the clean problem.
+    q, k, v = make_qkv(B=1, H=2, Nq=70, Nk=70, D=16)
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k[:, :, 69] = float("nan")
+    bad_k[:, :, 67, 2] = float("-inf")
+    bad_v[:, :, 68] = float("inf")
+    bad_v[:, :, 66, 3] = float("nan")
+    seen = torch.arange(70) < 66
+    for causal in (False, True):
+        outs = []
+        for kk, vv in ((k, v), (bad_k, bad_v)):
+            t = [x.clone().requires_grad_() for x in (q, kk, vv)]
+            out = qkv.attention(*t, mask=seen, causal=causal, backend=CpuBackend(16))
+            outs.append((out, *torch.autograd.grad(out, t, _dout(out.shape))))
+        for a, b in zip(*outs, strict=True):
+            assert torch.isfinite(b).all()
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lse_and_its_gradient(dtype):
+    q, k, v = make_qkv(B=2, H=6, Hkv=3, Nq=50, Nk=77, D=24, dtype=dtype, requires_grad=True)
+    w = torch.linspace(-1, 1, 50)
+
+    def run(be, tensors):
+        out, lse = qkv.attention(*tensors, causal=True, backend=be, return_lse=True)
+        return out, lse, torch.autograd.grad((out * 0.3).sum() + (lse * w).sum(), tensors)
+
+    _, lse, grads = run("cpu", (q, k, v))
+    _, ref_lse, ref_grads = run("reference", (q, k, v))
+    g64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    _, gold_lse, gold_grads = run("reference", g64)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 6, 50)
+    assert_error_ratio(lse, ref_lse, gold_lse, what="lse")
+    for name, a, r, g in zip("qkv", grads, ref_grads, gold_grads, strict=True):
+        assert_error_ratio(a, r, g, factor=3.0, what=f"d{name}")
+
+
+def test_non_contiguous_inputs_and_lower_ranks():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 37, 4, 16, generator=g).transpose(1, 2)
+    k = torch.randn(2, 23, 2, 16, generator=g).transpose(1, 2)
+    v = torch.randn(2, 46, 2, 20, generator=g)[:, ::2].transpose(1, 2)[..., :12]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    out = qkv.attention(q, k, v, causal=True, backend="cpu")
+    assert_error_ratio(out, qkv.attention(q, k, v, causal=True, backend="reference"),
+                       golden(q, k, v, causal=True))  # fmt: skip
+    q2, k2, v2 = (t[0, 0] for t in make_qkv(B=1, H=1, Nq=19, Nk=23, D=8))
+    assert qkv.attention(q2, k2, v2, backend="cpu").shape == (19, 8)
+
+
+@pytest.mark.parametrize("nq", [1, 4, 16])
+@pytest.mark.parametrize("hkv", [1, 4])
+def test_decode_against_a_long_cache(nq, hkv):
+    # Few query rows against many keys: the row of tiles is split across threads and the
+    # pieces are merged by their log-sum-exp.
+    q, k, v = make_qkv(B=1, H=8, Hkv=hkv, Nq=nq, Nk=3000, D=64, Dv=32, requires_grad=True)
+    _check_grads(CpuBackend(), q, k, v, torch.float32, causal=True)
+
+
+def test_empty_sequences():
+    q, k, v = make_qkv(B=1, H=2, Nq=0, Nk=5, D=8)
+    assert qkv.attention(q, k, v, backend="cpu").shape == (1, 2, 0, 8)
+    q, k, v = make_qkv(B=1, H=2, Nq=4, Nk=0, D=8, requires_grad=True)
+    out, lse = qkv.attention(q, k, v, backend="cpu", return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    out.sum().backward()
+    assert (q.grad == 0).all()
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    # Work is cut by the problem (up to 4 threads), and partial results merge in a fixed order.
+    q, k, v = make_qkv(B=1, H=2, Nq=300, Nk=2000, D=32, requires_grad=True)
+    m = masks.sliding_window(300) | masks.global_tokens([0, 7])
+    dout = _dout((1, 2, 300, 32))
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = qkv.attention(q, k, v, mask=m, backend="cpu")
+            results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_drops_exactly_what_the_reference_drops(causal):
+    # With V = I the output is the dropped weight matrix itself: its zeros are the mask.
+    B, H, N = 2, 3, 70
+    q, k, _ = make_qkv(B=B, H=H, Nq=N, D=8)
+    eye = torch.eye(N).expand(B, H, N, N).contiguous()
+    torch.manual_seed(11)
+    got = qkv.attention(q, k, eye, dropout_p=0.3, causal=causal, backend="cpu")
+    torch.manual_seed(11)
+    ref = qkv.attention(q, k, eye, dropout_p=0.3, causal=causal, backend="reference")
+    assert torch.equal(got != 0, ref != 0)
+    allowed = B * H * (N * (N + 1) // 2 if causal else N * N)
+    assert 0.6 < (got != 0).sum().item() / allowed < 0.8  # about 1 − p of the weights survive
+    g64 = [t.double() for t in (q, k, eye)]
+    torch.manual_seed(11)
+    gold = qkv.attention(*g64, dropout_p=0.3, causal=causal, backend="reference")
+    assert_error_ratio(got, ref, gold)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dropout_gradients(dtype):
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=45, Nk=80, D=16, dtype=dtype, requires_grad=True)
+    torch.manual_seed(5)
+    seed_state = torch.get_rng_state()
+
+    def run(be, tensors):
+        torch.set_rng_state(seed_state)
+        return qkv.attention(*tensors, dropout_p=0.25, causal=True, backend=be)
+
+    out = run("cpu", (q, k, v))
+    dout = _dout(out.shape)
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    ref = run("reference", (q, k, v))
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.to(dtype))
+    g64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    gold = run("reference", g64)
+    gold_grads = torch.autograd.grad(gold, g64, dout.double())
+    assert_error_ratio(out, ref, gold)
+    for name, a, r, g in zip("qkv", grads, ref_grads, gold_grads, strict=True):
+        assert_error_ratio(a, r, g, factor=3.0, what=f"d{name}")
+
+
+MODS = {
+    "alibi": lambda H: scores.alibi(scores.alibi_slopes(H)),
+    "softcap": lambda H: scores.softcap(1.5),
+    "alibi-then-softcap": lambda H: scores.compose(
+        scores.alibi(scores.alibi_slopes(H)), scores.softcap(2.0)
+    ),
+    "softcap-then-alibi": lambda H: scores.compose(
+        scores.softcap(2.0), scores.alibi(scores.alibi_slopes(H))
+    ),
+}
+
+
+@pytest.mark.parametrize("mask", [None, "longformer"])
+@pytest.mark.parametrize("name", list(MODS))
+def test_score_modifiers(name, mask):
+    H = 4
+    q, k, v = make_qkv(B=2, H=H, Hkv=2, Nq=45, Nk=153, D=8, requires_grad=True)
+    mod = MODS[name](H)
+    m = masks.sliding_window(6) | masks.global_tokens([0]) if mask else None
+    ref_m = m.dense4(45, 153) if m is not None else None
+    _check_grads(CpuBackend(16), q, k, v, torch.float32, mask_ref=ref_m, mask=m, causal=True,
+                 score_mod=mod)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs,dtype,match",
+    [
+        (dict(), torch.float64, "computes float32"),
+        (dict(mask="bias"), torch.float32, "float mask"),
+        (dict(return_weights=True), torch.float32, "attention weights"),
+        (dict(score_mod="relative"), torch.float32, "relative_bias"),
+        (dict(score_mod="custom"), torch.float32, "Python code"),
+    ],
+)
+def test_refusals_say_why(kwargs, dtype, match):
+    q, k, v = make_qkv(B=1, H=2, Nq=9, D=4, dtype=dtype)
+    if kwargs.get("mask") == "bias":
+        kwargs = {**kwargs, "mask": torch.zeros(9, 9, dtype=dtype)}
+    if kwargs.get("score_mod") == "relative":
+        kwargs = {**kwargs, "score_mod": scores.relative_bias(torch.zeros(2, 5), 2)}
+    if kwargs.get("score_mod") == "custom":
+        kwargs = {**kwargs, "score_mod": scores.ScoreMod(lambda s, b, h, i, j: s * 2)}
+    with pytest.raises(NotImplementedError, match=match):
+        qkv.attention(q, k, v, backend="cpu", **kwargs)
+    decision = qkv.dispatch(q, k, v, **kwargs)
+    assert decision.name != "cpu" and match in decision.reasons["cpu"]
+
+
+def test_backward_saves_no_score_matrix():
+    N, D = 300, 16
+    q, k, v = make_qkv(B=1, H=2, Nq=N, D=D, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = qkv.attention(q, k, v, causal=True, backend="cpu")
+    assert max(saved) <= 2 * N * D and sum(saved) <= 4 * 2 * N * D + 2 * 2 * N
+    out.sum().backward()

@@ -1,0 +1,122 @@
+"""Building, loading and choosing the compiled CPU kernel: the `qkv build` command, the cache
+folder, instruction-set paths forced by QKV_CPU_ISA, and qkv still working (with a reason) when
+the kernel cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qkv
+from qkv.cli import main
+from qkv.kernels.cpu import build, isa
+
+from ..helpers import assert_error_ratio, golden, make_qkv
+from .cpu_kernel import require_kernel
+
+OPS, _ = require_kernel()
+
+
+def test_qkv_build_reports_the_library_and_the_paths(capsys):
+    assert main(["build"]) == 0
+    out = capsys.readouterr().out
+    assert str(build.build_dir()) in out and "qkv_cpu.so" in out
+    assert "avx512" in out and "avx2" in out and "portable yes" in out
+    assert "runs: " in out
+
+
+def test_the_build_folder_is_per_torch_cpu_and_sources(monkeypatch, tmp_path):
+    folder = build.build_dir()
+    assert torch.__version__.replace("+", "_") in folder.name and "src" in folder.name
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    assert build.build_dir().parent == tmp_path / "cpu-kernel"
+    assert build.build_dir().name == folder.name
+
+
+@pytest.mark.parametrize("name", isa.ISAS)
+def test_every_path_this_cpu_has_matches_the_golden(monkeypatch, name):
+    if not OPS.isa_supported(name):
+        pytest.skip(f"this CPU lacks the {name} instructions")
+    monkeypatch.setenv(isa.ENV, name)
+    assert isa.choose(OPS) == (name, None)
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=77, Nk=150, D=40, Dv=24, requires_grad=True)
+    out = qkv.attention(q, k, v, causal=True, backend="cpu")
+    ref = qkv.attention(q, k, v, causal=True, backend="reference")
+    assert_error_ratio(out, ref, golden(q, k, v, causal=True))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("value", ["bogus", "avx512x"])
+def test_a_bad_isa_request_is_a_reason_not_a_crash(monkeypatch, value):
+    monkeypatch.setenv(isa.ENV, value)
+    q, k, v = make_qkv(B=1, H=2, Nq=300, D=8)
+    decision = qkv.dispatch(q, k, v, return_lse=True)
+    assert decision.name == "tiled"
+    assert f"{isa.ENV}={value!r} is not one of auto" in decision.reasons["cpu"]
+    with pytest.raises(NotImplementedError, match="QKV_CPU_ISA"):
+        qkv.attention(q, k, v, backend="cpu")
+
+
+def test_an_isa_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
+    lacking = [name for name in isa.ISAS if not OPS.isa_supported(name)]
+    if not lacking:
+        pytest.skip("this CPU has every path (AVX-512, AVX2, portable)")
+    monkeypatch.setenv(isa.ENV, lacking[0])
+    assert "lacks the instructions" in isa.choose(OPS)[1]
+
+
+_NO_COMPILER = """
+import sys, torch, qkv
+q, k, v = (torch.randn(1, 2, 300, 8) for _ in range(3))
+d = qkv.dispatch(q, k, v, return_lse=True)
+out, lse = qkv.attention(q, k, v, return_lse=True)
+ref = qkv.attention(q, k, v, return_lse=True, backend="reference")[0]
+print(d.name)
+print(d.reasons["cpu"])
+print(float((out - ref).abs().max()))
+"""
+
+
+def _run_fresh(tmp_path, **env):
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER],
+        env={**os.environ, "QKV_CACHE_DIR": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    name, reason, err = proc.stdout.strip().splitlines()[-3:]
+    assert name == "tiled" and float(err) < 1e-5  # qkv works, on the pure-PyTorch path
+    return reason, proc.stderr
+
+
+def test_without_a_compiler_qkv_works_and_says_why(tmp_path):
+    reason, _ = _run_fresh(tmp_path, CXX=str(tmp_path / "no-such-c++"))
+    assert "the compiled CPU kernel is unavailable: no C++ compiler" in reason
+    assert "no-such-c++" in reason and "qkv build" in reason
+
+
+def test_a_failed_build_is_recorded_with_its_error_and_not_retried(tmp_path):
+    # A "compiler" that answers questions (--version) but fails every compilation: the first
+    # process tries, fails and records the compiler's error; the second reads the reason and
+    # does not try again.
+    cxx = tmp_path / "broken-c++"
+    cxx.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" -c "*) ;; *) exec c++ "$@" ;; esac\n'
+        "echo 'broken-c++: error: this compiler always fails' >&2\nexit 1\n"
+    )
+    cxx.chmod(0o755)
+    first, first_err = _run_fresh(tmp_path, CXX=str(cxx))
+    second, second_err = _run_fresh(tmp_path, CXX=str(cxx))
+    for reason in (first, second):
+        assert "building it failed: broken-c++: error: this compiler always fails" in reason
+    assert "compiling the CPU attention kernel" in first_err
+    assert "compiling" not in second_err
+    failed = list(tmp_path.glob("cpu-kernel/*/" + build.FAILED))
+    assert len(failed) == 1 and "always fails" in failed[0].read_text()

@@ -1,0 +1,187 @@
+"""What the compiled kernel reads of the block layout (`qkv.kernels.cpu.layout`): the tiles of
+`qkv.layout.layout_for`, bits equal to the dense mask, a transposed list of the same tiles,
+O(kept tiles) memory, and qkv's cache."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qkv import masks
+from qkv.cache import CACHE
+from qkv.kernels.cpu import layout as lay
+from qkv.layout import EMPTY, FULL, PARTIAL, block_layout, layout_for
+from qkv.plan import make_plan
+
+from ..helpers import make_qkv
+
+PATTERNS = {
+    "none": None,
+    "window": masks.sliding_window(20),
+    "longformer": masks.sliding_window(9) | masks.global_tokens([0, 77]),
+    "bigbird": masks.bigbird(window=1, n_global=1, n_random=2, block=16, seed=3),
+    "document": masks.document([40, 100, 60]),
+    "padding": masks.padding([200, 70]),
+    "custom": masks.Mask(lambda b, h, q, kv: (q - kv) % 7 == 0, "every seventh"),
+    "per-head": masks.from_tensor(
+        torch.rand(4, 200, 200, generator=torch.Generator().manual_seed(1)) > 0.97
+    ),
+}
+
+
+def _plan(mask, causal, nq=200, nk=200):
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=nq, Nk=nk, D=8)
+    return make_plan(q, k, v, mask=mask, causal=causal)
+
+
+def _kinds(L: lay.CpuLayout) -> torch.Tensor:
+    """(nqb, nkb) tile kinds read back from the forward CSR."""
+    nqb, nkb = L.row_ptr.numel() - 1, L.col_ptr.numel() - 1
+    kind = torch.full((nqb, nkb), EMPTY, dtype=torch.int8)
+    rows = torch.repeat_interleave(torch.arange(nqb), L.row_ptr.diff())
+    kind[rows, L.col_idx.long()] = torch.where(L.code == lay.TILE_FULL, FULL, PARTIAL).to(
+        torch.int8
+    )
+    return kind
+
+
+def _dense(L: lay.CpuLayout, bm: int, hm: int) -> torch.Tensor:
+    """(bm, hm, Nq, Nk) allowed pairs read back from the layout."""
+    nq, nk, bq = L.q_len, L.kv_len, L.block_q
+    nqb = L.row_ptr.numel() - 1
+    out = torch.zeros(bm, hm, nqb * bq, (L.col_ptr.numel() - 1) * 64, dtype=torch.bool)
+    shifts = torch.arange(64)
+    for i in range(nqb):
+        for e in range(int(L.row_ptr[i]), int(L.row_ptr[i + 1])):
+            j, code = int(L.col_idx[e]), int(L.code[e])
+            tile = out[:, :, i * bq : (i + 1) * bq, j * 64 : (j + 1) * 64]
+            if code == lay.TILE_FULL:
+                tile[:] = True
+            else:
+                tile[:] = ((L.bits[code].unsqueeze(-1) >> shifts) & 1).bool()
+    return out[:, :, :nq, :nk]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bq", [16, 64])
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_kinds_and_bits_match_the_mask(name, bq, causal):
+    plan = _plan(PATTERNS[name], causal)
+    L = lay.kernel_layout(plan, bq)
+    assert torch.equal(_kinds(L), layout_for(plan, bq, 64).kind)
+    bm, hm = L.bits.shape[1:3] if L.bits.numel() else (1, 1)
+    want = torch.ones(bm, hm, 200, 200, dtype=torch.bool)
+    if causal:
+        want &= torch.ones(200, 200, dtype=torch.bool).tril()
+    if plan.mask_rule is not None:
+        want &= plan.mask_rule.dense4(200, 200)
+    # FULL tiles are whole for every (b, h); the allowed pairs read back are exactly the mask's
+    assert torch.equal(_dense(L, bm, hm), want.expand(bm, hm, 200, 200))
+
+
+def test_a_bool_mask_tensor_and_nq_ne_nk():
+    g = torch.Generator().manual_seed(2)
+    mask = torch.rand(2, 1, 90, 150, generator=g) > 0.5
+    mask[:, :, :, 64:128] = True  # a column of FULL tiles
+    mask[:, :, 10] = False
+    plan = _plan(mask, True, nq=90, nk=150)
+    L = lay.kernel_layout(plan, 16)
+    assert torch.equal(_kinds(L), layout_for(plan, 16, 64).kind)
+    assert L.bits.shape[1:] == (2, 1, 16)
+    want = mask[:, :, :, :] & torch.ones(90, 150, dtype=torch.bool).tril(150 - 90)
+    assert torch.equal(_dense(L, 2, 1), want)
+
+
+def test_the_transposed_list_holds_the_same_tiles_by_column():
+    plan = _plan(PATTERNS["longformer"], True)
+    L = lay.kernel_layout(plan, 16)
+    rows = torch.repeat_interleave(torch.arange(L.row_ptr.numel() - 1), L.row_ptr.diff())
+    by_row = sorted(zip(rows.tolist(), L.col_idx.tolist(), L.code.tolist(), strict=True))
+    cols = torch.repeat_interleave(torch.arange(L.col_ptr.numel() - 1), L.col_ptr.diff())
+    by_col = list(zip(L.row_idx.tolist(), cols.tolist(), L.code_t.tolist(), strict=True))
+    assert sorted(by_col) == by_row
+    assert by_col == sorted(by_col, key=lambda t: (t[1], t[0]))  # column by column, top down
+
+
+def test_bits_are_evaluated_a_chunk_of_tiles_at_a_time(monkeypatch):
+    plan = _plan(PATTERNS["custom"], True)
+    whole = lay.encode(plan, layout_for(plan, 16, 64))
+    monkeypatch.setattr(lay, "BITS_CHUNK", 5000)  # a few tiles per chunk
+    chunked = lay.encode(plan, layout_for(plan, 16, 64))
+    for field in ("row_ptr", "col_idx", "code", "col_ptr", "row_idx", "code_t", "bits"):
+        assert torch.equal(getattr(whole, field), getattr(chunked, field)), field
+
+
+MILLION = """
+import time, torch
+from qkv import masks
+from qkv.plan import make_plan
+from qkv.kernels.cpu import layout as lay
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
+
+n = 1 << 20
+t = torch.empty(1, 1, n, 8, device="meta")
+plan = make_plan(t, t, t, mask=masks.sliding_window(256))
+before, start = hwm(), time.perf_counter()
+L = lay.kernel_layout(plan, 64)
+print(time.perf_counter() - start, hwm() - before, L.kept_tiles, L.partial_tiles,
+      tuple(L.bits.shape))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_million_token_sliding_window_builds_in_seconds_and_o_kept_tiles_memory():
+    # N = 1,048,576: 16384 × 16384 tiles, of which ~0.05% are kept. A fresh process, so its
+    # peak RSS (VmHWM) is this build's: the 64 rows × 8 bytes of bits of each PARTIAL tile
+    # (16 MiB here) and O(kept tiles) around it, never O(tiles²) (that would be 256 MiB a byte).
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(MILLION)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    seconds, grew, kept, partial, bits = res.stdout.split(maxsplit=4)
+    nt = (1 << 20) // 64
+    # query tile i keeps key tiles i−4 … i+4, the outer two partial (clipped at the ends)
+    assert int(kept) == sum(min(nt - 1, i + 4) - max(0, i - 4) + 1 for i in range(nt))
+    assert int(partial) == sum((i - 4 >= 0) + (i + 4 < nt) for i in range(nt))
+    assert bits.strip() == f"({partial}, 1, 1, 64)"
+    assert float(seconds) < 30
+    assert int(grew) < 64 * 2**20
+
+
+def test_layouts_live_in_qkvs_cache():
+    CACHE.clear()
+    a = lay.kernel_layout(_plan(None, True), 64)
+    b = lay.kernel_layout(_plan(None, True), 64)
+    c = lay.kernel_layout(_plan(None, False), 64)
+    assert a is b and a is not c
+    assert c.partial_tiles == 0 and c.kept_tiles == 4 * 4
+    rule = masks.sliding_window(20)
+    d = lay.kernel_layout(_plan(rule, True), 64)
+    assert lay.kernel_layout(_plan(rule, True), 64) is d
+    entries = CACHE.info().entries
+    del rule, d  # the Mask's entries go with it
+    gc.collect()
+    assert CACHE.info().entries < entries
+
+
+def test_a_held_layout_is_read_as_it_is():
+    rule = masks.sliding_window(20) | masks.global_tokens([0, 77])
+    held = block_layout(rule, 200, causal=True, block_q=32)
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=200, Nk=200, D=8)
+    plan = make_plan(q, k, v, mask=held, causal=True)
+    assert layout_for(plan, 32, 64) is held
+    L = lay.kernel_layout(plan, 32)
+    assert torch.equal(L.row_ptr, held.row_ptr) and torch.equal(L.col_idx.long(), held.col)
+    assert torch.equal(
+        _dense(L, 1, 1)[0, 0],
+        rule.dense4(200, 200)[0, 0] & torch.ones(200, 200, dtype=torch.bool).tril(),
+    )
