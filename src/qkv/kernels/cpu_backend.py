@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..plan import AttentionPlan
+from . import sdpa
 from .base import Result
 
 # fp16/bf16/fp32 inputs; everything accumulates in float32/float64 inside
@@ -135,12 +136,13 @@ class CpuBackend:
 
     def auto_skip(self, plan: AttentionPlan) -> str | None:
         """Why `auto` lets the next backend run a request this one could (None: it doesn't):
-        tiny problems that torch SDPA can run (no lse, dropout, score modifier, structured mask
-        or float mask) are faster there."""
-        plain = not (plan.return_lse or plan.dropout_p > 0 or plan.score_mod is not None)
-        plain = plain and plan.mask_rule is None and plan.bias is None
+        tiny problems that `auto` would hand torch SDPA are faster there (not those SDPA
+        refuses or `auto` keeps from it, such as float32 gradients: the next backend would then
+        be `tiled`, slower than this kernel at every size)."""
         limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
-        if plain and plan.q_len * plan.kv_len < limit:
+        if plan.q_len * plan.kv_len >= limit or plan.bias is not None:
+            return None
+        if sdpa.refusal(plan) is None and sdpa.auto_passes_over(plan) is None:
             return (
                 f"torch SDPA is faster below {limit} scores per head (this request has "
                 f"{plan.q_len}×{plan.kv_len})"

@@ -112,7 +112,8 @@ def backward_impl(
     """`(dq, dk, dv)` of `cpu_forward`'s out and lse."""
     L = _layout(q, k, mask, causal, rule, held, block_q)
     return load().backward(
-        dout, dlse, q, k, v, out, m, l, L.col_ptr, L.row_idx, L.code_t, L.bits, L.block_q,
+        dout, dlse, q, k, v, out, m, l, L.row_ptr, L.col_idx, L.code, L.col_ptr, L.row_idx,
+        L.code_t, L.bits, L.block_q,
         scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), isa,
     )  # fmt: skip
 

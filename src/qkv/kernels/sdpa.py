@@ -27,52 +27,62 @@ from .base import Result
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
+def refusal(plan: AttentionPlan) -> str | None:
+    """Why torch SDPA cannot run this request (None: it can): metadata only."""
+    if plan.return_weights:
+        return "torch SDPA cannot return the attention weights"
+    if plan.return_lse:
+        return "torch SDPA's public API returns no lse"
+    if plan.dropout_p > 0:
+        return (
+            "torch SDPA draws its own dropout mask; qkv's dropout mask is a function of "
+            "(seed, b, h, i, j) shared by the reference and tiled backends"
+        )
+    if plan.score_mod is not None:
+        return "torch SDPA has no score modifiers"
+    if plan.groups > 1 and not _HAS_GQA:
+        return f"this torch ({torch.__version__}) SDPA has no enable_gqa"
+    if plan.bias is not None and plan.bias.dtype != plan.dtype:
+        return f"torch SDPA needs a float mask of q's dtype {plan.dtype}, got {plan.bias.dtype}"
+    if plan.has_masking and not plan.finite_inputs:
+        return (
+            "some pairs are masked and k/v may hold NaN/inf there, which torch SDPA would "
+            "let through (0 · NaN); pass finite_inputs=True if they cannot"
+        )
+    return None
+
+
+def auto_passes_over(plan: AttentionPlan) -> str | None:
+    """Why `auto` passes sdpa over a request it could run (None: it doesn't)."""
+    if plan.mask_rule is not None:
+        return (
+            "a structured qkv.masks.Mask would reach torch SDPA only as a dense Nq×Nk mask; "
+            "tiled skips the empty tiles"
+        )
+    if plan.causal and plan.q_len < plan.kv_len:
+        return (
+            "causal with Nq < Nk is bottom-right aligned, which torch SDPA could only take as "
+            "a dense Nq×Nk mask; tiled skips the tiles above the diagonal instead"
+        )
+    if plan.dtype == torch.float32 and plan.wants_grad:
+        return (
+            "float32 gradients: torch SDPA's backward is not within qkv's error bound on "
+            "every input; tiled's backward is"
+        )
+    return None
+
+
 class SdpaBackend:
     name = "sdpa"
 
     def why_not(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> str | None:
-        if plan.return_weights:
-            return "torch SDPA cannot return the attention weights"
-        if plan.return_lse:
-            return "torch SDPA's public API returns no lse"
-        if plan.dropout_p > 0:
-            return (
-                "torch SDPA draws its own dropout mask; qkv's dropout mask is a function of "
-                "(seed, b, h, i, j) shared by the reference and tiled backends"
-            )
-        if plan.score_mod is not None:
-            return "torch SDPA has no score modifiers"
-        if plan.groups > 1 and not _HAS_GQA:
-            return f"this torch ({torch.__version__}) SDPA has no enable_gqa"
-        if plan.bias is not None and plan.bias.dtype != plan.dtype:
-            return f"torch SDPA needs a float mask of q's dtype {plan.dtype}, got {plan.bias.dtype}"
-        if plan.has_masking and not plan.finite_inputs:
-            return (
-                "some pairs are masked and k/v may hold NaN/inf there, which torch SDPA would "
-                "let through (0 · NaN); pass finite_inputs=True if they cannot"
-            )
-        return None
+        return refusal(plan)
 
     def auto_skip(self, plan: AttentionPlan) -> str | None:
         """Why `auto` passes sdpa over although it could run the request (None: it doesn't)."""
-        if plan.mask_rule is not None:
-            return (
-                "a structured qkv.masks.Mask would reach torch SDPA only as a dense Nq×Nk mask; "
-                "tiled skips the empty tiles"
-            )
-        if plan.causal and plan.q_len < plan.kv_len:
-            return (
-                "causal with Nq < Nk is bottom-right aligned, which torch SDPA could only take as "
-                "a dense Nq×Nk mask; tiled skips the tiles above the diagonal instead"
-            )
-        if plan.dtype == torch.float32 and plan.wants_grad:
-            return (
-                "float32 gradients: torch SDPA's backward is not within qkv's error bound on "
-                "every input; tiled's backward is"
-            )
-        return None
+        return auto_passes_over(plan)
 
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

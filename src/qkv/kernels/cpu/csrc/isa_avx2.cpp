@@ -17,7 +17,7 @@ namespace qkv_cpu {
 namespace avx2 {
 #include "simd_avx2.h"
 #include "kernel.h"
-const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker};
+const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker};
 }  // namespace avx2
 }  // namespace qkv_cpu
 

@@ -18,7 +18,7 @@ namespace qkv_cpu {
 namespace avx512 {
 #include "simd_avx512.h"
 #include "kernel.h"
-const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker};
+const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker};
 }  // namespace avx512
 }  // namespace qkv_cpu
 

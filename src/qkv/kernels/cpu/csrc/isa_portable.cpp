@@ -8,6 +8,6 @@ namespace qkv_cpu {
 namespace portable {
 #include "simd_portable.h"
 #include "kernel.h"
-const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker};
+const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker};
 }  // namespace portable
 }  // namespace qkv_cpu

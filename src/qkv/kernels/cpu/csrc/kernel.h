@@ -21,7 +21,8 @@
 //     S, t                       the forward's own tile_scores and row_scores: the same bits
 //     P = float(exp(t − m) · (1/l))          (the division and the product in double)
 //     dP = dO Vᵀ in double (exact sums of float products), Δ = rowsum(dO ∘ O) − dlse summed
-//     the same way;  dS = P ∘ float(dP − Δ)
+//     the same way (query tiles holding a peaked row: Σ P·dP / Σ P − dlse from a row pass
+//     before, delta_item);  dS = P ∘ float(dP − Δ)
 //     dV_j += Pᵀ dO;  dK_j += dSᵀ Q;  dQ_i += dS K_j
 //
 // each product in float over ≤ 64 terms (one tile, one head), summed across tiles in double.
@@ -639,15 +640,15 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           double* dor64 = w.dO64 + r * P.Dv;
           load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, dor);
           load_row(row_of(P.out, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, w.tmp);
-          // Δ = dO·O summed exactly as gemm64 sums dO·V: a row whose only key has P = 1
-          // (O = V) gets dP − Δ = 0 exactly, as the softmax's gradient is there
+          // Δ: from the row pass (float32), else dO·O summed exactly as gemm64 sums dO·V (a
+          // row whose only key has P = 1, O = V, gets dP − Δ = 0 exactly either way)
           double delta = 0.0;
           for (int64_t d = 0; d < P.Dv; ++d) {
             dor64[d] = (double)dor[d];
             delta = delta + dor64[d] * (double)w.tmp[d];
           }
           if (P.dlse) delta -= (double)P.dlse[idx];
-          w.delta[r] = delta;
+          w.delta[r] = P.delta && P.delta[idx] == P.delta[idx] ? P.delta[idx] : delta;
           const double lr = P.l[idx];
           w.inv_l[r] = lr > 0.0 ? 1.0 / lr : 0.0;
           w.mrow[r] = P.m[idx];
@@ -715,6 +716,122 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
     }
   }
   return true;
+}
+
+// The backward's row pass, for query tiles holding a peaked row: Δ_i = Σ_j P_ij dP̃_ij / Σ_j P_ij
+// − dlse_i over the kept tiles of query tile i, where P and dP̃ (dP, dropped and rescaled) are
+// computed exactly as bwd_item computes them (same packing, same instructions: the same bits).
+// dS = P ∘ (dP̃ − Δ) then sums to zero over each row up to the rounding of P, as the softmax's
+// gradient does. Δ = dO·O from the saved output carries the rounding of O (to its dtype, and of
+// the forward's P, which are not the backward's bits); dP̃_j − Δ is of the order of
+// (1 − max_j P_ij)·|dP̃|, so that rounding is amplified by 1 / (1 − max P): harmless while the
+// largest weight 1/l is at most PEAKED, all of a peaked row's gradient beyond it. Rows of the
+// other tiles get NaN here: bwd_item then takes Δ = dO·O (no second pass over their tiles).
+static const double PEAKED = 0.5;
+
+static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf& w) {
+  const Layout& L = P.lay;
+  const int64_t G = P.G, bq = L.bq, r0 = i * bq, nr = imin(bq, P.Nq - r0);
+  bool peaked = false;
+  for (int64_t g = 0; g < G && !peaked; ++g)
+    for (int64_t r = 0; r < nr && !peaked; ++r) {
+      const double lr = P.l[(b * P.H + hkv * G + g) * P.Nq + r0 + r];
+      peaked = lr > 0.0 && lr * PEAKED < 1.0;  // largest weight 1/l > PEAKED
+    }
+  if (!peaked) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < nr; ++r)
+        P.delta[(b * P.H + hkv * G + g) * P.Nq + r0 + r] = __builtin_nan("");
+    return;
+  }
+  const int64_t Dp = P.Dp, Dvp = P.Dvp, code_stride = L.bm * L.hm * bq;
+  const V16 one = v_set(1.0f), zero = v_set(0.0f);
+  const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
+  double* sp = w.l;       // Σ_j P_ij, per row of the G heads
+  double* spd = w.alpha;  // Σ_j P_ij dP̃_ij
+  for (int64_t R = 0; R < G * nr; ++R) sp[R] = spd[R] = 0.0;
+  for (int64_t e = L.row_ptr[i]; e < L.row_ptr[i + 1]; ++e) {
+    const int64_t j = L.col_idx[e], code = L.code[e], c0 = j * BK, kw = imin(BK, P.Nk - c0);
+    const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
+    pack_k(P, b, hkv, c0, kw, w, true, true);
+    pack_v(P, b, hkv, c0, kw, w, true, true);
+    if (P.exact_scores)
+      for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
+    for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
+    if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = hkv * G + g;
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
+        load_q(P, b, h, r0 + r, w.q + r * Dp, w.q64 + r * Dp);
+        float* dor = w.dO + r * Dvp;
+        double* dor64 = w.dO64 + r * P.Dv;
+        load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, dor);
+        for (int64_t d = 0; d < P.Dv; ++d) dor64[d] = (double)dor[d];
+        const double lr = P.l[idx];
+        w.inv_l[r] = lr > 0.0 ? 1.0 / lr : 0.0;
+        w.mrow[r] = P.m[idx];
+        w.slope[r] = P.mods.slopes ? P.mods.slopes[h] : 0.0f;
+        w.qpos[r] = r0 + r + P.Nk - P.Nq;
+        w.bitoff[r] = ((L.bm > 1 ? b : 0) * L.hm + (L.hm > 1 ? h : 0)) * bq + r;
+        if (P.drop.on) w.rowh[r] = drop_row_hash(P.drop, b * P.H + h, r0 + r);
+      }
+      tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
+      gemm64(nr, BK, P.Dv, w.dO64, P.Dv, 1, w.vt64, BK, w.dp64, BK);
+      for (int64_t r = 0; r < nr; ++r) {
+        float* srow = w.s + r * BK;
+        float* prow = w.p + r * BK;
+        float* krow = w.ds + r * BK;  // 1 where the weight is kept (dropout), else 0
+        const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[r]];
+        if (allowed == 0 || w.inv_l[r] == 0.0) continue;
+        row_scores(P.mods, w.slope[r], w.qpos[r], c0, allowed, srow, srow, nullptr);
+        const V16 mv = v_set(w.mrow[r]);
+        const double inv = w.inv_l[r];
+        for (int64_t q = 0; q < 4; ++q) {
+          const V16 p = v_mul_f64(v_exp(v_sub(v_load(srow + 16 * q), mv)), inv);
+          M16 keep = m_bits(0xFFFFu);
+          if (P.drop.on) keep = drop_keep(P.drop, w.rowh[r], w.colh + 16 * q);
+          v_store(prow + 16 * q, p);
+          v_store(krow + 16 * q, v_select(keep, one, zero));
+        }
+        double a = 0.0, c = 0.0;
+        const double* dprow = w.dp64 + r * BK;
+        for (int64_t x = 0; x < BK; ++x) {
+          const double px = (double)prow[x];
+          a += px;
+          if (krow[x] != 0.0f) c += px * (dprow[x] * drop_mul);
+        }
+        sp[g * nr + r] += a;
+        spd[g * nr + r] += c;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = hkv * G + g;
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
+      const double a = sp[g * nr + r];
+      double d = a > 0.0 ? spd[g * nr + r] / a : 0.0;
+      if (P.dlse) d -= (double)P.dlse[idx];
+      P.delta[idx] = d;
+    }
+  }
+}
+
+static void delta_worker(const Problem& P, int64_t* next, int32_t* error) {
+  Buf w;
+  if (!buf_alloc(w, P, imax(P.lay.bq, P.G * P.lay.bq))) {
+    __atomic_store_n(error, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  const int64_t n_items = P.B * P.Hkv * P.lay.nqb;
+  for (;;) {
+    const int64_t k = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    if (k >= n_items) break;
+    const int64_t i = k % P.lay.nqb, bh = k / P.lay.nqb;
+    delta_item(P, bh / P.Hkv, bh % P.Hkv, i, w);
+  }
+  buf_free(w);
 }
 
 static void backward_worker(const Problem& P, const BwdPlan& Bp, int64_t* next, int32_t* error) {

@@ -492,15 +492,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout, const std::optional<at::Tensor>& dlse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& m,
-    const at::Tensor& l, const at::Tensor& col_ptr, const at::Tensor& row_idx,
+    const at::Tensor& l, const at::Tensor& row_ptr, const at::Tensor& col_idx,
+    const at::Tensor& tile_code, const at::Tensor& col_ptr, const at::Tensor& row_idx,
     const at::Tensor& tile_code_t, const at::Tensor& bits, int64_t block_q, double scale,
     const std::optional<at::Tensor>& slopes, double softcap, bool alibi_after_softcap,
     double dropout_p, int64_t dropout_seed, const std::string& isa) {
   const Kernels& K = kernels_for(isa);
   Inputs in = inputs_of(q, k, v, scale, slopes, softcap, alibi_after_softcap, dropout_p, dropout_seed);
   Problem& P = in.P;
-  P.lay = layout_of(at::Tensor(), at::Tensor(), at::Tensor(), col_ptr, row_idx, tile_code_t, bits,
-                    block_q, P.Nq, P.Nk, P.B, P.H);
+  P.lay = layout_of(row_ptr, col_idx, tile_code, col_ptr, row_idx, tile_code_t, bits, block_q,
+                    P.Nq, P.Nk, P.B, P.H);
   TORCH_CHECK(dout.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == P.B &&
                   out.size(1) == P.H && out.size(2) == P.Nq && out.size(3) == P.Dv,
               "qkv_cpu: dout and out must be (B, H, Nq, Dv)");
@@ -528,6 +529,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   P.dk = dk.data_ptr();
   P.dv = dv.data_ptr();
   zero_untouched(P, dq, dk, dv);
+  // Δ = Σ P·dP / Σ P over the rows of query tiles that hold a peaked row, from the very P and
+  // dP the backward computes (a row pass before the column pass; see delta_item)
+  at::Tensor delta = at::empty({P.B * P.H * P.Nq}, opts.dtype(at::kDouble));
+  P.delta = delta.data_ptr<double>();
+  {
+    int64_t next = 0;
+    int32_t error = 0;
+    run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]), [&] { K.delta(P, &next, &error); });
+    if (error) throw std::bad_alloc();
+  }
   BwdState S;
   plan_backward(P, S);
   int64_t next = 0;
@@ -550,7 +561,8 @@ TORCH_LIBRARY(qkv_cpu, m) {
       &qkv_cpu::forward);
   m.def(
       "backward(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor m, "
-      "Tensor l, Tensor col_ptr, Tensor row_idx, Tensor tile_code_t, Tensor bits, int block_q, "
+      "Tensor l, Tensor row_ptr, Tensor col_idx, Tensor tile_code, Tensor col_ptr, Tensor row_idx, "
+      "Tensor tile_code_t, Tensor bits, int block_q, "
       "float scale, Tensor? slopes, float softcap, bool alibi_after_softcap, float dropout_p, "
       "int dropout_seed, str isa) -> (Tensor dq, Tensor dk, Tensor dv)",
       &qkv_cpu::backward);

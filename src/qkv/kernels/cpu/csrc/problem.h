@@ -63,6 +63,7 @@ struct Problem {
   double* l;           // (B, H, Nq) softmax denominator, relative to m
   float* lse;          // (B, H, Nq) natural lse for the caller
   const float* dlse;   // (B, H, Nq) gradient of lse, or null
+  double* delta;       // (B, H, Nq) the backward's Δ from its row pass, or null
   void* dq;            // (B, H, Nq, D) contiguous, dtype
   void* dk;            // (B, Hkv, Nk, D)
   void* dv;            // (B, Hkv, Nk, Dv)
@@ -123,6 +124,7 @@ struct Kernels {
   const char* name;
   void (*forward)(const Problem&, const FwdPlan&, int64_t* next, int32_t* error);
   void (*backward)(const Problem&, const BwdPlan&, int64_t* next, int32_t* error);
+  void (*delta)(const Problem&, int64_t* next, int32_t* error);  // items: (b, hkv, query tile)
 };
 
 namespace portable {
