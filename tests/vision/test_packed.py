@@ -116,6 +116,8 @@ def test_auto_takes_padded_for_windows_and_varlen_for_images():
     assert plan_layout(part.cu_window_seqlens, n).layout == "padded"
     assert plan_layout(part.cu_seqlens, n).layout == "varlen"
     assert plan_layout(torch.tensor([0, 64, 128]), 128).layout == "padded"
+    # the compiled CPU kernel skips the other segments' tiles: varlen for windows too
+    assert plan_layout(part.cu_window_seqlens, n, compiled=True).layout == "varlen"
 
 
 def test_qwen2_5_vl_shaped_packing_equals_per_window_sdpa():

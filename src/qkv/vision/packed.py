@@ -16,9 +16,12 @@ one `qkv.attention` call, forward and backward, in one of two layouts:
   sequence as one `(1, H, N, D)` problem under `qkv.masks.varlen(cu_seqlens, cu_seqlens)`, whose
   tile layout is block diagonal: the tiled kernel computes only the tiles of each segment.
 
-`layout="auto"` takes padded when padding adds at most `PADDED_WASTE` (12.5%) to the work
-Σ L_s², else varlen. Either is exact: it equals running every segment alone (the tests compare
-forward and gradients with the per-segment reference).
+`layout="auto"` takes varlen on qkv's compiled CPU kernel wherever that kernel takes the
+tensors: it skips the other segments' tiles at its matmul rate, which beats the padded layout
+on SDPA for windows too (the vision section of docs/benchmarks.md). Without it, padded when
+padding adds at most
+`PADDED_WASTE` (12.5%) to the work Σ L_s², else varlen. Either is exact: it equals running every
+segment alone (the tests compare forward and gradients with the per-segment reference).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from .. import masks
 from ..functional import attention
 from ..kernels import TiledBackend
+from ..kernels.cpu_backend import kernel_status
 from ..kernels.fused import FusedStrips
 
 LAYOUTS = ("auto", "padded", "varlen")
@@ -82,14 +86,19 @@ def _check_cu(cu_seqlens: object, total: int) -> list[int]:
     return [b - a for a, b in itertools.pairwise(cu)]
 
 
-def plan_layout(cu_seqlens: torch.Tensor, total: int, layout: str = "auto") -> PackedLayout:
-    """Choose the layout for segments delimited by `cu_seqlens` (see the module docstring)."""
+def plan_layout(
+    cu_seqlens: torch.Tensor, total: int, layout: str = "auto", compiled: bool = False
+) -> PackedLayout:
+    """Choose the layout for segments delimited by `cu_seqlens` (see the module docstring);
+    `compiled`: the compiled CPU kernel will run the call."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     lengths = tuple(n for n in _check_cu(cu_seqlens, total) if n > 0)
     longest = max(lengths, default=0)
     plan = PackedLayout("padded", lengths, total, longest)
-    if layout == "auto":
+    if layout == "auto" and compiled:
+        layout = "varlen"
+    elif layout == "auto":
         layout = "padded" if plan.padded_work <= PADDED_WASTE * plan.work else "varlen"
     return PackedLayout(layout, lengths, total, longest)
 
@@ -114,8 +123,9 @@ def packed_attention(
             (transformers' `cu_seqlens` of a Qwen2-VL / Qwen2.5-VL vision block).
         scale: multiplies Q Kᵀ (default 1/√D).
         layout: "auto", "padded" or "varlen" (module docstring).
-        backend: passed to `qkv.attention` ("auto": SDPA for padded; for varlen the tiled
-            backend with 2048-row strips, `VARLEN_BACKEND`).
+        backend: passed to `qkv.attention` ("auto": for varlen qkv's auto, which picks the
+            compiled CPU kernel, or else the tiled backend with 2048-row strips,
+            `VARLEN_BACKEND`; for padded qkv's auto, SDPA on these sizes).
         finite_inputs: as in `qkv.attention` (the varlen layout hides the other segments' keys;
             the padded one hides only copies of a segment's own keys, which needs no promise).
 
@@ -131,7 +141,8 @@ def packed_attention(
         raise ValueError(
             f"q, k and v must hold the same tokens, got {N}, {k.shape[0]} and {v.shape[0]} rows"
         )
-    plan = plan_layout(cu_seqlens, N, layout)
+    compiled = backend == "auto" and _compiled_kernel_takes(q)
+    plan = plan_layout(cu_seqlens, N, layout, compiled)
     if N == 0:
         return q.new_zeros(0, q.shape[1], v.shape[2])
     if plan.layout == "varlen":
@@ -143,11 +154,18 @@ def packed_attention(
             v4,
             mask=rule,
             scale=scale,
-            backend=VARLEN_BACKEND if backend == "auto" else backend,
+            backend=VARLEN_BACKEND if backend == "auto" and not compiled else backend,
             finite_inputs=finite_inputs,
         )
         return out[0].transpose(0, 1)
     return _padded(q, k, v, plan, scale, backend)
+
+
+def _compiled_kernel_takes(q: torch.Tensor) -> bool:
+    """Whether `auto` would run this call on qkv's compiled CPU kernel (built at first use)."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return kernel_status()[1] is None
 
 
 @functools.lru_cache(maxsize=8)
