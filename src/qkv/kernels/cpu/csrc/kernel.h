@@ -577,6 +577,39 @@ static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv
   write_dq(P, b, hkv, r0, nr, sum, w.tmp);
 }
 
+// K_j, V_j of (b, hkv) as the backward reads them: rows and transposed, in double where its
+// sums are exact, and the dropout hashes of their columns.
+static inline void bwd_pack(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw,
+                            Buf& w) {
+  pack_k(P, b, hkv, c0, kw, w, true, true);
+  pack_v(P, b, hkv, c0, kw, w, true, true);
+  if (P.exact_scores)
+    for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
+  for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
+  if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
+}
+
+// Row r of a tile, query row r0 + r of head h, as the backward reads it: q, dO (float and
+// double), 1/l, m, the ALiBi slope, the position, the mask-bit offset, the dropout hash. The
+// column pass (bwd_item) and the row pass (delta_item) both load rows with it, so the row pass
+// recomputes P and dP from the very same inputs.
+static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r, Buf& w) {
+  const Layout& L = P.lay;
+  const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
+  load_q(P, b, h, r0 + r, w.q + r * P.Dp, w.q64 + r * P.Dp);
+  float* dor = w.dO + r * P.Dvp;
+  double* dor64 = w.dO64 + r * P.Dv;
+  load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, dor);
+  for (int64_t d = 0; d < P.Dv; ++d) dor64[d] = (double)dor[d];
+  const double lr = P.l[idx];
+  w.inv_l[r] = lr > 0.0 ? 1.0 / lr : 0.0;
+  w.mrow[r] = P.m[idx];
+  w.slope[r] = P.mods.slopes ? P.mods.slopes[h] : 0.0f;
+  w.qpos[r] = r0 + r + P.Nk - P.Nq;
+  w.bitoff[r] = ((L.bm > 1 ? b : 0) * L.hm + (L.hm > 1 ? h : 0)) * L.bq + r;
+  if (P.drop.on) w.rowh[r] = drop_row_hash(P.drop, b * P.H + h, r0 + r);
+}
+
 static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf& w) {
   const Layout& L = P.lay;
   const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, c = it.c;
@@ -619,14 +652,9 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
     const int64_t c0 = j * BK, kw = imin(BK, P.Nk - c0);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
     if (e1 > e0) {
-      pack_k(P, b, hkv, c0, kw, w, true, true);
-      pack_v(P, b, hkv, c0, kw, w, true, true);
-      if (P.exact_scores)
-        for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
-      for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
+      bwd_pack(P, b, hkv, c0, kw, w);
       __builtin_memset(w.dk64, 0, (size_t)(BK * Dp) * 8);
       __builtin_memset(w.dv64, 0, (size_t)(BK * Dvp) * 8);
-      if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
     }
     for (int64_t e = e0; e < e1; ++e) {
       const int64_t i = L.row_idx[e], code = L.code_t[e], r0 = i * bq, nr = imin(bq, P.Nq - r0);
@@ -635,27 +663,19 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         const int64_t h = hkv * G + g;
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
-          load_q(P, b, h, r0 + r, w.q + r * Dp, w.q64 + r * Dp);
-          float* dor = w.dO + r * Dvp;
-          double* dor64 = w.dO64 + r * P.Dv;
-          load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, dor);
-          load_row(row_of(P.out, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, w.tmp);
-          // Δ: from the row pass (float32), else dO·O summed exactly as gemm64 sums dO·V (a
-          // row whose only key has P = 1, O = V, gets dP − Δ = 0 exactly either way)
-          double delta = 0.0;
-          for (int64_t d = 0; d < P.Dv; ++d) {
-            dor64[d] = (double)dor[d];
-            delta = delta + dor64[d] * (double)w.tmp[d];
+          bwd_row(P, b, h, r0, r, w);
+          // Δ: from the row pass where it ran (delta_item), else dO·O summed exactly as gemm64
+          // sums dO·V (a row whose only key has P = 1, O = V, gets dP − Δ = 0 exactly either way)
+          if (P.delta && P.delta[idx] == P.delta[idx]) {
+            w.delta[r] = P.delta[idx];
+            continue;
           }
+          const double* dor64 = w.dO64 + r * P.Dv;
+          load_row(row_of(P.out, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, w.tmp);
+          double delta = 0.0;
+          for (int64_t d = 0; d < P.Dv; ++d) delta = delta + dor64[d] * (double)w.tmp[d];
           if (P.dlse) delta -= (double)P.dlse[idx];
-          w.delta[r] = P.delta && P.delta[idx] == P.delta[idx] ? P.delta[idx] : delta;
-          const double lr = P.l[idx];
-          w.inv_l[r] = lr > 0.0 ? 1.0 / lr : 0.0;
-          w.mrow[r] = P.m[idx];
-          w.slope[r] = P.mods.slopes ? P.mods.slopes[h] : 0.0f;
-          w.qpos[r] = r0 + r + P.Nk - P.Nq;
-          w.bitoff[r] = ((L.bm > 1 ? b : 0) * L.hm + (L.hm > 1 ? h : 0)) * bq + r;
-          if (P.drop.on) w.rowh[r] = drop_row_hash(P.drop, b * P.H + h, r0 + r);
+          w.delta[r] = delta;
         }
         tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
         gemm64(nr, BK, P.Dv, w.dO64, P.Dv, 1, w.vt64, BK, w.dp64, BK);
@@ -753,29 +773,10 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
   for (int64_t e = L.row_ptr[i]; e < L.row_ptr[i + 1]; ++e) {
     const int64_t j = L.col_idx[e], code = L.code[e], c0 = j * BK, kw = imin(BK, P.Nk - c0);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
-    pack_k(P, b, hkv, c0, kw, w, true, true);
-    pack_v(P, b, hkv, c0, kw, w, true, true);
-    if (P.exact_scores)
-      for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
-    for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
-    if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
+    bwd_pack(P, b, hkv, c0, kw, w);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = hkv * G + g;
-      for (int64_t r = 0; r < nr; ++r) {
-        const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
-        load_q(P, b, h, r0 + r, w.q + r * Dp, w.q64 + r * Dp);
-        float* dor = w.dO + r * Dvp;
-        double* dor64 = w.dO64 + r * P.Dv;
-        load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, dor);
-        for (int64_t d = 0; d < P.Dv; ++d) dor64[d] = (double)dor[d];
-        const double lr = P.l[idx];
-        w.inv_l[r] = lr > 0.0 ? 1.0 / lr : 0.0;
-        w.mrow[r] = P.m[idx];
-        w.slope[r] = P.mods.slopes ? P.mods.slopes[h] : 0.0f;
-        w.qpos[r] = r0 + r + P.Nk - P.Nq;
-        w.bitoff[r] = ((L.bm > 1 ? b : 0) * L.hm + (L.hm > 1 ? h : 0)) * bq + r;
-        if (P.drop.on) w.rowh[r] = drop_row_hash(P.drop, b * P.H + h, r0 + r);
-      }
+      for (int64_t r = 0; r < nr; ++r) bwd_row(P, b, h, r0, r, w);
       tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
       gemm64(nr, BK, P.Dv, w.dO64, P.Dv, 1, w.vt64, BK, w.dp64, BK);
       for (int64_t r = 0; r < nr; ++r) {
