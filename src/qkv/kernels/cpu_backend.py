@@ -39,7 +39,7 @@ from . import sdpa
 from .base import Result
 
 # fp16/bf16/fp32 inputs; everything accumulates in float32/float64 inside
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Below these score elements per head (Nq·Nk), torch SDPA beat the kernel on requests it can
 # run (fixed cost of a call against SDPA's ~20 µs), measured with benchmarks/cpu.py on 2 cores:
 # float32 from about 200×200 (the backward's crossover; the forward's is ~64×64), 16-bit from
@@ -120,7 +120,7 @@ class CpuBackend:
     ) -> str | None:
         if plan.device.type != "cpu":
             return f"tensors are on {plan.device}; the cpu backend runs on CPU tensors"
-        if plan.dtype not in _DTYPES:
+        if plan.dtype not in DTYPES:
             return (
                 f"the compiled CPU kernel computes float32 (from fp32/bf16/fp16 inputs), "
                 f"not {plan.dtype}; tiled runs it"
@@ -140,7 +140,7 @@ class CpuBackend:
         refuses or `auto` keeps from it, such as float32 gradients: the next backend would then
         be `tiled`, slower than this kernel at every size)."""
         limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
-        if plan.q_len * plan.kv_len >= limit or plan.bias is not None:
+        if plan.q_len * plan.kv_len >= limit:
             return None
         if sdpa.refusal(plan) is None and sdpa.auto_passes_over(plan) is None:
             return (

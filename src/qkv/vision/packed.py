@@ -36,7 +36,7 @@ import torch
 from .. import masks
 from ..functional import attention
 from ..kernels import TiledBackend
-from ..kernels.cpu_backend import kernel_status
+from ..kernels.cpu_backend import DTYPES, kernel_status
 from ..kernels.fused import FusedStrips
 
 LAYOUTS = ("auto", "padded", "varlen")
@@ -163,7 +163,7 @@ def packed_attention(
 
 def _compiled_kernel_takes(q: torch.Tensor) -> bool:
     """Whether `auto` would run this call on qkv's compiled CPU kernel (built at first use)."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if q.device.type != "cpu" or q.dtype not in DTYPES:
         return False
     return kernel_status()[1] is None
 

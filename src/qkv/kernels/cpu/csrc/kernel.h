@@ -764,7 +764,7 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
         P.delta[(b * P.H + hkv * G + g) * P.Nq + r0 + r] = __builtin_nan("");
     return;
   }
-  const int64_t Dp = P.Dp, Dvp = P.Dvp, code_stride = L.bm * L.hm * bq;
+  const int64_t Dp = P.Dp, code_stride = L.bm * L.hm * bq;
   const V16 one = v_set(1.0f), zero = v_set(0.0f);
   const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
   double* sp = w.l;       // Σ_j P_ij, per row of the G heads
