@@ -7,16 +7,22 @@ well under 10 minutes; `--dry-run` lists the cases anywhere; without CUDA it exi
   gradients): dense, causal (Nq = Nk and Nq < Nk), sliding window, document, GQA,
   D ∈ {40, 64, 128, 256}, ALiBi + softcap, dropout; and int64 offsets: a sliding-window problem
   whose tensors hold more than 2³¹ elements, checked on its last rows.
+- Host syncs: one warm forward + backward per pattern under
+  `torch.cuda.set_sync_debug_mode("warn")`; every synchronizing call it makes is listed.
 - Speed: bf16, B·N = 16384 tokens, H·D = 2048, dense, causal and sliding window (1024 each
-  side), forward and forward + backward. Cells: median time · TFLOP/s (FlashAttention's count:
-  forward 4·B·H·N²·D, halved for causal, × density for the window; backward 2.5× the forward).
+  side), forward and forward + backward; the cases the targets read (D = 128, N = 8192 and
+  16384) run first, so a runtime budget cuts the others. Cells: median time · TFLOP/s
+  (FlashAttention's count: forward 4·B·H·N²·D, halved for causal, × density for the window;
+  backward 2.5× the forward).
 - Implementations: `triton` = `qkv.attention(..., backend="triton", finite_inputs=True)`;
   `sdpa-*` = `F.scaled_dot_product_attention` under `sdpa_kernel(<backend>)` (the window as a
   dense bool mask); `flex` = `torch.compile(flex_attention)` with a block mask of the same
-  pattern (at N ∈ {8192, 16384}, D = 128: every new shape recompiles it). **sdpa-best** = in
+  pattern (at N = 16384, D = 128 only: every new shape recompiles it). **sdpa-best** = in
   each round the fastest SDPA backend that runs the case.
 - Time: CUDA events around each call; peak memory of forward + backward by
-  `torch.cuda.max_memory_allocated` beyond what was allocated before the call. Then a sweep of
+  `torch.cuda.max_memory_allocated` beyond what was allocated before the call. The ceiling: an
+  8192³ bf16 matrix product (mean of 10 after 3 warm-ups) at the start of the run; triton's cells
+  give their share of it. Then a sweep of
   the triton backend's tile sizes at N = 8192, D = 128.
 """
 
@@ -38,12 +44,12 @@ from ..suite import FWD, FWD_BWD, PASSES, BestOf, Group, Impl, Stage, Suite, Tar
 
 TOKENS = 16384  # B · N
 WIDTH = 2048  # H · D
-HEAD_DIMS = (64, 128)
-SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (128, 64)  # in the order they run: the targets read D = 128
+SEQ_LENS = (8192, 16384, 4096, 2048, 1024)
 WINDOW = 1024  # sliding window: 1024 keys each side
 PATTERNS = ("dense", "causal", "window")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
-FLEX_N, FLEX_D = (8192, 16384), (128,)  # where Flex runs (every new shape recompiles it)
+FLEX_N, FLEX_D = (16384,), (128,)  # where Flex runs (every new shape recompiles it)
 DTYPE = torch.bfloat16
 SWEEP = (  # (fwd block, bwd block, warps, stages) for the triton backend at N = 8192, D = 128
     ((128, 64), (64, 64), 8, 2),
@@ -71,7 +77,7 @@ class Settings:
     budget_s: float  # no timing case starts after this
 
 
-FULL = Settings(HEAD_DIMS, SEQ_LENS, repeats=10, budget_s=420.0)
+FULL = Settings(HEAD_DIMS, SEQ_LENS, repeats=10, budget_s=400.0)
 QUICK = Settings((64,), (1024,), repeats=3, budget_s=120.0)
 
 
@@ -292,7 +298,54 @@ def correctness(device) -> list[dict]:
         del runs
         torch.cuda.empty_cache()
     results.append(int64_offsets(device))
+    results.append(host_syncs(device))
     return results
+
+
+def host_syncs(device, n: int = 4096) -> dict:
+    """One warm forward + backward per pattern (and with dropout) under
+    `torch.cuda.set_sync_debug_mode("warn")`: the synchronizing calls it makes, by message."""
+    import warnings
+
+    b, h, d = 1, 8, 128
+    cases = {
+        "dense": {},
+        "causal": dict(causal=True),
+        "window": dict(mask=masks.sliding_window(WINDOW)),
+        "document": dict(mask=masks.document([1000, 37, 3059])),
+        "dropout": dict(causal=True, dropout_p=0.1),
+    }
+    found: dict[str, list[str]] = {}
+    g = torch.Generator(device=device).manual_seed(5)
+    q, k, v, do = (
+        torch.randn(b, h, n, d, generator=g, device=device, dtype=DTYPE) for _ in range(4)
+    )
+    for name, kw in cases.items():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+
+        def call(leaves=leaves, kw=kw):
+            out = qkv.attention(*leaves, backend="triton", finite_inputs=True, **kw)
+            out.backward(do)
+
+        call()  # warm: compiles and caches
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                call()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        messages = sorted({str(w.message).splitlines()[0][:160] for w in caught})
+        found[name] = messages
+    count = sum(len(m) for m in found.values())
+    result = {
+        "check": "no host syncs (fwd+bwd, set_sync_debug_mode)",
+        "pass": count == 0,
+        "syncs": found,
+    }
+    progress(f"check host syncs: {count} distinct ({found if count else 'none'})")
+    return result
 
 
 def int64_offsets(device) -> dict:
@@ -350,6 +403,36 @@ def requires() -> str | None:
     )
 
 
+def bf16_matmul_tflops(size: int = 8192, warmups: int = 3, repeats: int = 10) -> float:
+    """The ceiling: mean rate of `repeats` bf16 products of two size × size random matrices."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=DTYPE) for _ in range(2))
+    for _ in range(warmups):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def driver_version() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = out.stdout.strip() if out.returncode == 0 else ""
+    return text.splitlines()[0] if text else None
+
+
 def facts(_: Settings) -> dict[str, object]:
     try:
         import triton
@@ -358,31 +441,43 @@ def facts(_: Settings) -> dict[str, object]:
     except ImportError:
         version = None
     capability = ".".join(map(str, torch.cuda.get_device_capability()))
+    ceiling = bf16_matmul_tflops()
+    progress(f"[ceiling] bf16 matmul {ceiling:.0f} TFLOP/s")
     return {
         "device": f"{torch.cuda.get_device_name()} (capability {capability})",
-        "software": {"triton": version},
+        "software": {"triton": version, "cuda": torch.version.cuda, "driver": driver_version()},
+        "bf16_matmul_tflops": ceiling,
     }
 
 
-def cell(t: Timing | None) -> str:
-    """median time · TFLOP/s"""
+def cell(t: Timing | None, ceiling: float | None = None) -> str:
+    """median time · TFLOP/s (· share of the bf16 matmul ceiling, where given)"""
     if t is None:
         return ""
     if t.median_s is None:
         return "—" if t.note and t.note != "dry run" else "not measured"
-    return f"{t.median_s * 1e3:.2f} ms · {t.rates.get('tflops', 0.0) / 1e3:.0f}"
+    tflops = t.rates.get("tflops", 0.0) / 1e3
+    share = f" ({100 * tflops / ceiling:.0f}%)" if ceiling else ""
+    return f"{t.median_s * 1e3:.2f} ms · {tflops:.0f}{share}"
 
 
 def timing_table(d: int, pass_: str) -> rp.Table:
     impls = [i.name for i in TIMING.impls]
+
+    def column(name: str) -> rp.Column:
+        def text(r: rp.Row) -> str:
+            ceiling = r.results.facts.get("bf16_matmul_tflops") if name == "triton" else None
+            return cell(r.timing(pass_, name), ceiling)
+
+        return rp.Column(name, text)
+
     return rp.Table(
-        (
-            rp.field("n", "N"),
-            rp.field("pattern", align="l"),
-            *(rp.Column(name, lambda r, name=name: cell(r.timing(pass_, name))) for name in impls),
+        (rp.field("n", "N"), rp.field("pattern", align="l"), *(column(name) for name in impls)),
+        lambda r: sorted(
+            rp.case_rows(r, "timing", lambda c: c.d == d),
+            key=lambda row: (row.case.n, PATTERNS.index(row.case.pattern)),
         ),
-        lambda r: rp.case_rows(r, "timing", lambda c: c.d == d),
-        f"D = {d}, {pass_}",
+        f"D = {d}, {pass_} (median ms · TFLOP/s; triton's share of the bf16 matmul ceiling)",
     )
 
 
@@ -390,7 +485,11 @@ def correctness_lines(r: Results) -> list[str]:
     checks = r.stages.get("correctness", [])
     if not checks:
         return []
-    lines = [
+    ceiling = r.facts.get("bf16_matmul_tflops")
+    lines = []
+    if ceiling:
+        lines += [f"bf16 matmul ceiling measured in this run: **{ceiling:.0f} TFLOP/s**.", ""]
+    lines += [
         "### Correctness (error-ratio rule against the fp64 golden)",
         "",
         "| check | result |",
@@ -398,6 +497,14 @@ def correctness_lines(r: Results) -> list[str]:
     ]
     for c in checks:
         result = {True: "ok", False: "FAIL", None: c.get("skipped", "skipped")}[c["pass"]]
+        if any(c.get("syncs", {}).values()):
+            result += ": " + "; ".join(f"{k}: {', '.join(v)}" for k, v in c["syncs"].items() if v)
+        elif c["pass"] is False and "out" in c and isinstance(c["out"], dict):
+            result += ": " + ", ".join(
+                f"{w} {c[w]['err']:.3g} > {c[w]['bound']:.3g}"
+                for w in ("out", "lse", "dq", "dk", "dv")
+                if not c[w]["ok"]
+            )
         lines.append(f"| {c['check']} | {result} |")
     return [*lines, ""]
 
