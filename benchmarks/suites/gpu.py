@@ -307,6 +307,9 @@ def host_syncs(device, n: int = 4096) -> dict:
     `torch.cuda.set_sync_debug_mode("warn")`: the synchronizing calls it makes, by message."""
     import warnings
 
+    check = "no host syncs (fwd+bwd, set_sync_debug_mode)"
+    if torch.device(device).type != "cuda":  # the sync debug mode watches CUDA streams only
+        return {"check": check, "pass": None, "skipped": "needs a CUDA device"}
     b, h, d = 1, 8, 128
     cases = {
         "dense": {},
@@ -340,7 +343,7 @@ def host_syncs(device, n: int = 4096) -> dict:
         found[name] = messages
     count = sum(len(m) for m in found.values())
     result = {
-        "check": "no host syncs (fwd+bwd, set_sync_debug_mode)",
+        "check": check,
         "pass": count == 0,
         "syncs": found,
     }

@@ -40,6 +40,9 @@ Bounds = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # positions per query tile (tile i holds positions q_lo[i] … q_hi[i]); None: any key.
 Ranges = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor] | None]
 
+# segments(n_q, n_k) -> (cu_q, cu_k): query rows and keys of each packed segment (Mask.segments).
+Segments = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
 
 class Mask:
     """A named rule saying which (query, key) pairs may attend. Build with the functions of this
@@ -57,6 +60,7 @@ class Mask:
         heads: int | None = None,
         check: Callable[[int, int], None] | None = None,
         ranges: Ranges | None = None,
+        segments: Segments | None = None,
     ):
         if (fn is None) == (rule is None):
             raise TypeError("Mask needs exactly one of fn(b, h, q, kv) or rule")
@@ -69,6 +73,7 @@ class Mask:
         self.batch = batch  # the batch size the rule is written for, or None if independent
         self.heads = heads  # the head count the rule is written for, or None if independent
         self._check = check
+        self._segments = segments
 
     def __repr__(self) -> str:
         return self.name
@@ -129,6 +134,12 @@ class Mask:
         if self._bounds is None:
             raise ValueError(f"mask {self!r} has no tile bounds; evaluate its pairs instead")
         return self._bounds(b, h, q_lo, q_hi, k_lo, k_hi, nk)
+
+    def segments(self, nq: int, nk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For packed sequences (`document`, `varlen`): `(cu_q, cu_k)`, int64, the query rows
+        and keys of each segment — no pair crosses a segment — so a kernel can cut its tiles at
+        the segment boundaries; None for other masks (a composed mask never has segments)."""
+        return None if self._segments is None else self._segments(nq, nk)
 
     def key_ranges(
         self, q_lo: torch.Tensor, q_hi: torch.Tensor, nk: int
@@ -537,7 +548,17 @@ def document(lengths: Sequence[int] | torch.Tensor) -> Mask:
     def ranges(ql, qh, n):
         return _span(starts[_doc_ids(ends, ql)], starts[_doc_ids(ends, qh) + 1] - 1, ql)
 
-    return Mask(rule=rule, bounds=bounds, ranges=ranges, name=f"document({lens})", check=check)
+    def segments(nq, nk):  # query row i sits at position i + nk − nq
+        return (starts - (nk - nq)).clamp(0, nq), starts
+
+    return Mask(
+        rule=rule,
+        bounds=bounds,
+        ranges=ranges,
+        segments=segments,
+        name=f"document({lens})",
+        check=check,
+    )
 
 
 def _key_below(n_prefix: int) -> Mask:
@@ -835,6 +856,7 @@ def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool 
         rule=rule,
         bounds=bounds,
         ranges=ranges,
+        segments=lambda nq, nk: (cu_q, cu_k),
         name=f"varlen({n_seq} sequences, causal={causal})",
         check=check,
     )

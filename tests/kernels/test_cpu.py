@@ -98,6 +98,9 @@ PATTERNS = {
     "longformer": lambda n: masks.sliding_window(4) | masks.global_tokens([0, n // 2]),
     "bigbird": lambda n: masks.bigbird(window=1, n_global=1, n_random=1, block=8, seed=1),
     "document": lambda n: masks.document([n // 3, n - n // 3 - 5, 5]),
+    # packed segments off the tile grid, one empty: the kernel cuts its tiles at them
+    "varlen": lambda n: masks.varlen(*[torch.tensor([0, 7, 7, n // 2 + 3, n])] * 2),
+    "varlen-causal": lambda n: masks.varlen(*[torch.tensor([0, 19, n // 2, n])] * 2, causal=True),
     "prefix_lm": lambda n: masks.prefix_lm(n // 4),
     "strided": lambda n: masks.strided(5) & masks.causal(),
     "fixed": lambda n: masks.fixed(8, 2),
@@ -286,6 +289,33 @@ def test_dropout_gradients(dtype):
     assert_error_ratio(out, ref, gold)
     for name, a, r, g in zip("qkv", grads, ref_grads, gold_grads, strict=True):
         assert_error_ratio(a, r, g, factor=3.0, what=f"d{name}")
+
+
+def _windows(sizes):
+    return torch.tensor([0, *sizes]).cumsum(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_windows_off_the_tile_grid(dtype):
+    # a vision encoder's windows (64 patches, some cut short at an image edge) in one call:
+    # each window is one tile of the kernel's default 64 × 64 cut, never pieces of two
+    cu = _windows([12, 64, 64, 48, 64, 16, 64, 33])
+    n = int(cu[-1])
+    rule = masks.varlen(cu, cu)
+    q, k, v = make_qkv(B=1, H=4, Nq=n, D=80, dtype=dtype, requires_grad=True)
+    _check_grads(CpuBackend(), q, k, v, dtype, mask_ref=rule.dense4(n, n), mask=rule)
+
+
+def test_dropout_under_segment_tiles_drops_what_the_reference_drops():
+    cu = _windows([12, 64, 48, 70])
+    n, rule = int(cu[-1]), masks.varlen(cu, cu)
+    q, k, _ = make_qkv(B=1, H=2, Nq=n, D=8)
+    eye = torch.eye(n).expand(1, 2, n, n).contiguous()
+    torch.manual_seed(4)
+    got = qkv.attention(q, k, eye, mask=rule, dropout_p=0.3, backend="cpu")
+    torch.manual_seed(4)
+    ref = qkv.attention(q, k, eye, mask=rule.dense4(n, n), dropout_p=0.3, backend="reference")
+    assert torch.equal(got != 0, ref != 0)
 
 
 MODS = {

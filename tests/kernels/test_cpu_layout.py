@@ -50,21 +50,36 @@ def _kinds(L: lay.CpuLayout) -> torch.Tensor:
     return kind
 
 
+def _starts(L: lay.CpuLayout) -> tuple[list[int], list[int]]:
+    """Tile origins (+ the end) of a layout, uniform or cut at segments."""
+    if L.q_starts is not None:
+        return L.q_starts.tolist(), L.k_starts.tolist()
+    nqb, nkb = L.row_ptr.numel() - 1, L.col_ptr.numel() - 1
+    return [min(i * L.block_q, L.q_len) for i in range(nqb + 1)], [
+        min(j * 64, L.kv_len) for j in range(nkb + 1)
+    ]
+
+
 def _dense(L: lay.CpuLayout, bm: int, hm: int) -> torch.Tensor:
-    """(bm, hm, Nq, Nk) allowed pairs read back from the layout."""
-    nq, nk, bq = L.q_len, L.kv_len, L.block_q
-    nqb = L.row_ptr.numel() - 1
-    out = torch.zeros(bm, hm, nqb * bq, (L.col_ptr.numel() - 1) * 64, dtype=torch.bool)
+    """(bm, hm, Nq, Nk) allowed pairs read back from the layout (a pair covered twice fails)."""
+    nq, nk = L.q_len, L.kv_len
+    qs, ks = _starts(L)
+    out = torch.zeros(bm, hm, nq, nk, dtype=torch.bool)
+    seen = torch.zeros(nq, nk, dtype=torch.int)
     shifts = torch.arange(64)
-    for i in range(nqb):
+    for i in range(len(qs) - 1):
         for e in range(int(L.row_ptr[i]), int(L.row_ptr[i + 1])):
             j, code = int(L.col_idx[e]), int(L.code[e])
-            tile = out[:, :, i * bq : (i + 1) * bq, j * 64 : (j + 1) * 64]
+            r0, r1, c0, c1 = qs[i], qs[i + 1], ks[j], ks[j + 1]
+            assert r1 - r0 <= L.block_q and c1 - c0 <= 64
+            seen[r0:r1, c0:c1] += 1
             if code == lay.TILE_FULL:
-                tile[:] = True
+                out[:, :, r0:r1, c0:c1] = True
             else:
-                tile[:] = ((L.bits[code].unsqueeze(-1) >> shifts) & 1).bool()
-    return out[:, :, :nq, :nk]
+                bits = ((L.bits[code].unsqueeze(-1) >> shifts) & 1).bool()
+                out[:, :, r0:r1, c0:c1] = bits[:, :, : r1 - r0, : c1 - c0]
+    assert not bool((seen > 1).any())
+    return out
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -73,7 +88,12 @@ def _dense(L: lay.CpuLayout, bm: int, hm: int) -> torch.Tensor:
 def test_kinds_and_bits_match_the_mask(name, bq, causal):
     plan = _plan(PATTERNS[name], causal)
     L = lay.kernel_layout(plan, bq)
-    assert torch.equal(_kinds(L), layout_for(plan, bq, 64).kind)
+    uniform = layout_for(plan, bq, 64)
+    if L.q_starts is None:
+        assert torch.equal(_kinds(L), uniform.kind)
+    else:  # cut at the segments of a packed-sequence mask: never more tiles than the grid
+        assert PATTERNS[name].segments(200, 200) is not None
+        assert L.kept_tiles <= uniform.nnz
     bm, hm = L.bits.shape[1:3] if L.bits.numel() else (1, 1)
     want = torch.ones(bm, hm, 200, 200, dtype=torch.bool)
     if causal:
@@ -185,3 +205,42 @@ def test_a_held_layout_is_read_as_it_is():
         _dense(L, 1, 1)[0, 0],
         rule.dense4(200, 200)[0, 0] & torch.ones(200, 200, dtype=torch.bool).tril(),
     )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "cu_q, cu_k",
+    [
+        ([0, 12, 76, 140, 188, 252], None),  # vision windows: 12, then 64s off the 64-grid
+        ([0, 0, 70, 70, 200], [0, 5, 75, 75, 205]),  # empty segments, Nq != Nk per segment
+        ([0, 130, 131, 200], None),  # segments longer than a tile, and one of a single token
+    ],
+)
+def test_packed_segments_cut_the_tiles_at_their_boundaries(cu_q, cu_k, causal):
+    cu_q = torch.tensor(cu_q)
+    cu_k = cu_q if cu_k is None else torch.tensor(cu_k)
+    rule = masks.varlen(cu_q, cu_k, causal=causal)
+    nq, nk = int(cu_q[-1]), int(cu_k[-1])
+    q, k, v = make_qkv(B=1, H=2, Nq=nq, Nk=nk, D=8)
+    plan = make_plan(q, k, v, mask=rule)
+    L = lay.segment_layout(plan, 32)
+    assert L is not None and L.q_starts is not None and L.k_starts is not None
+    qs, ks = _starts(L)
+    assert set(cu_q.tolist()) <= set(qs) and set(cu_k.tolist()) <= set(ks)
+    assert torch.equal(_dense(L, 1, 1)[0, 0], rule.dense4(nq, nk)[0, 0])
+    if not causal:  # bidirectional segments: every kept tile is FULL, no bits at all
+        assert L.partial_tiles == 0
+    # the kernel takes the cut where it keeps no more tiles than the grid
+    uniform = layout_for(plan, 32, 64).nnz
+    assert (lay.kernel_layout(plan, 32).q_starts is not None) == (L.kept_tiles <= uniform)
+
+
+def test_many_tiny_segments_keep_the_uniform_grid():
+    # segments of 3 tokens: cutting at each would make 67 tiles where the grid needs 4
+    cu = torch.arange(0, 201, 3)
+    cu[-1] = 200
+    q, k, v = make_qkv(B=1, H=2, Nq=200, Nk=200, D=8)
+    plan = make_plan(q, k, v, mask=masks.varlen(cu, cu))
+    L = lay.kernel_layout(plan, 64)
+    assert L.q_starts is None
+    assert torch.equal(_dense(L, 1, 1)[0, 0], masks.varlen(cu, cu).dense4(200, 200)[0, 0])

@@ -67,8 +67,8 @@ def forward_impl(
     backward needs."""
     L = _layout(q, k, mask, causal, rule, held, block_q)
     out, m, l, lse = load().forward(
-        q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.block_q, scale, slopes, softcap,
-        alibi_after, dropout_p, _seed(seed), isa,
+        q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.q_starts, L.k_starts, L.block_q, scale,
+        slopes, softcap, alibi_after, dropout_p, _seed(seed), isa,
     )  # fmt: skip
     return out, lse, m, l
 
@@ -113,7 +113,7 @@ def backward_impl(
     L = _layout(q, k, mask, causal, rule, held, block_q)
     return load().backward(
         dout, dlse, q, k, v, out, m, l, L.row_ptr, L.col_idx, L.code, L.col_ptr, L.row_idx,
-        L.code_t, L.bits, L.block_q,
+        L.code_t, L.bits, L.q_starts, L.k_starts, L.block_q,
         scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), isa,
     )  # fmt: skip
 

@@ -12,7 +12,15 @@ in one uint64. This module only re-encodes that layout for the kernel:
   to bottom, with the same codes (the layout's compressed columns: the backward's walk);
 - `bits (P, Bm, Hm, block_q)` int64 read as uint64: bit c of `bits[p, b, h, r]` says whether row
   r of PARTIAL tile p may attend to key c of the tile, for batch element b and head h
-  (`Bm`, `Hm` are 1 when the mask does not depend on them). Bits past Nq or Nk are 0.
+  (`Bm`, `Hm` are 1 when the mask does not depend on them). Bits past Nq or Nk are 0;
+- `q_starts (nqb + 1)`, `k_starts (nkb + 1)`: where each tile begins, or None for the uniform
+  grid (query tile i at row i·block_q, key tile j at key 64·j).
+
+Packed sequences (a mask with `Mask.segments`: `document`, `varlen`) may get tiles cut at the
+segment boundaries instead (`segment_layout`): each segment's rows in pieces of at most block_q,
+its keys in pieces of at most 64, and only a segment's own tiles kept. Short segments that do not
+start on a multiple of 64 (the windows of a vision encoder) then cost one tile each instead of
+pieces of two or three; the cut is taken when it keeps no more tiles than the uniform grid.
 
 The bits are evaluated with `qkv.layout.allowed` on the PARTIAL tiles only, a chunk of tiles at
 a time, so memory stays O(kept tiles): a sliding window at N = 1,048,576 builds in seconds and a
@@ -50,6 +58,8 @@ class CpuLayout:
     row_idx: torch.Tensor  # int32 (nnz): query tile of each kept tile, by key-tile column
     code_t: torch.Tensor  # int32 (nnz)
     bits: torch.Tensor  # int64 (P, Bm, Hm, block_q): allowed keys of PARTIAL tiles' rows
+    q_starts: torch.Tensor | None = None  # int64 (nqb + 1): first row of each query tile
+    k_starts: torch.Tensor | None = None  # int64 (nkb + 1): first key of each key tile
 
     @property
     def kept_tiles(self) -> int:
@@ -79,11 +89,23 @@ def pack_bits(ok: torch.Tensor) -> torch.Tensor:
 
 
 def partial_bits(
-    plan: AttentionPlan, rows: torch.Tensor, cols: torch.Tensor, block_q: int
+    plan: AttentionPlan,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    block_q: int,
+    q_starts: torch.Tensor | None = None,
+    k_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """bits `(P, Bm, Hm, block_q)` int64 of the PARTIAL tiles at (query tile, key tile) =
-    (rows[p], cols[p]), evaluated by `qkv.layout.allowed` a chunk of tiles at a time."""
+    (rows[p], cols[p]), evaluated by `qkv.layout.allowed` a chunk of tiles at a time; tile
+    origins from `q_starts`/`k_starts` when given, else the uniform grid."""
     nq, nk = plan.q_len, plan.kv_len
+    if q_starts is None:
+        q_starts = torch.arange(-(-nq // block_q) + 1) * block_q
+        k_starts = torch.arange(-(-nk // BLOCK_K) + 1) * BLOCK_K
+    assert k_starts is not None
+    q_ends = q_starts[1:].clamp(max=nq)
+    k_ends = k_starts[1:].clamp(max=nk)
     bm, hm = mask_dims(plan)
     out = torch.empty(rows.numel(), bm, hm, block_q, dtype=torch.int64)
     per = max(1, BITS_CHUNK // (block_q * BLOCK_K * bm * hm))
@@ -93,11 +115,12 @@ def partial_bits(
     h = torch.arange(hm).view(1, -1, 1, 1, 1)
     mask = None if plan.mask is None else plan.mask.cpu()
     for a in range(0, rows.numel(), per):
-        r = rows[a : a + per].view(-1, 1, 1) * block_q + r_off  # (p, bq, 1)
-        c = cols[a : a + per].view(-1, 1, 1) * BLOCK_K + c_off  # (p, 1, 64)
+        ti, tj = rows[a : a + per].view(-1, 1, 1), cols[a : a + per].view(-1, 1, 1)
+        r = q_starts[ti] + r_off  # (p, bq, 1)
+        c = k_starts[tj] + c_off  # (p, 1, 64)
         ok = allowed(b, h, r.clamp(max=nq - 1), c.clamp(max=nk - 1), q_len=nq, kv_len=nk,
                      causal=plan.causal, rule=plan.mask_rule, mask=mask)  # fmt: skip
-        inside = (r < nq) & (c < nk)
+        inside = (r < q_ends[ti]) & (c < k_ends[tj])
         ok = inside if ok is None else ok & inside
         ok = torch.broadcast_to(ok, (bm, hm, r.shape[0], block_q, BLOCK_K))
         out[a : a + per] = pack_bits(ok).permute(2, 0, 1, 3)
@@ -127,12 +150,92 @@ def encode(plan: AttentionPlan, lay: BlockLayout) -> CpuLayout:
     )
 
 
+def tile_starts(cu: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments `cu` (int64, from 0 to the total) cut into tiles of at most `block`: the tiles'
+    starts followed by the total `(T + 1,)`, and each tile's segment `(T,)`."""
+    lengths = cu.diff()
+    count = (lengths + block - 1) // block  # tiles per segment; 0 for an empty one
+    seg = torch.repeat_interleave(torch.arange(count.numel()), count)
+    first = torch.repeat_interleave(count.cumsum(0) - count, count)  # the segment's first tile
+    starts = cu[:-1][seg] + (torch.arange(seg.numel()) - first) * block
+    return torch.cat([starts, cu[-1:]]), seg
+
+
+def segment_layout(plan: AttentionPlan, block_q: int) -> CpuLayout | None:
+    """The layout with tiles cut at the segment boundaries of `plan`'s packed-sequence mask
+    (module docstring), or None when the mask has no segments or the cut's candidate tiles
+    outnumber the uniform grid's kept tiles fourfold (it could not win; this bounds its cost)."""
+    rule = plan.mask_rule
+    if rule is None or plan.mask is not None or plan.layout is not None:
+        return None
+    nq, nk = plan.q_len, plan.kv_len
+    cu = rule.segments(nq, nk)
+    if cu is None:
+        return None
+    q_starts, q_seg = tile_starts(cu[0], block_q)
+    k_starts, k_seg = tile_starts(cu[1], BLOCK_K)
+    n_seg = cu[0].numel() - 1
+    k_count = torch.bincount(k_seg, minlength=n_seg)
+    per_row = k_count[q_seg]  # candidates: every key tile of the row's segment
+    uniform = layout_for(plan, block_q, BLOCK_K)
+    if int(per_row.sum()) > 4 * uniform.nnz:
+        return None
+    rows = torch.repeat_interleave(torch.arange(q_seg.numel()), per_row)
+    row_first = torch.repeat_interleave(per_row.cumsum(0) - per_row, per_row)
+    cols = (k_count.cumsum(0) - k_count)[q_seg[rows]] + torch.arange(rows.numel()) - row_first
+    off = nk - nq  # bounds take positions in key coordinates
+    ql, qh = q_starts[rows] + off, q_starts[rows + 1] - 1 + off
+    kl, kh = k_starts[cols], k_starts[cols + 1] - 1
+    maybe = torch.ones(rows.numel(), dtype=torch.bool)
+    surely = maybe.clone()
+    if plan.causal:
+        maybe &= kl <= qh
+        surely &= kh <= ql
+    if rows.numel():
+        shape = (rule.batch or 1, rule.heads or 1, rows.numel())
+        bi = torch.arange(shape[0]).view(-1, 1, 1)
+        hi = torch.arange(shape[1]).view(1, -1, 1)
+        any_, all_ = (
+            torch.broadcast_to(x, shape).reshape(-1, rows.numel())
+            for x in rule.tile_bounds(bi, hi, ql, qh, kl, kh, nk)
+        )
+        maybe &= any_.any(0)
+        surely &= all_.all(0)
+    rows, cols, full = rows[maybe], cols[maybe], surely[maybe]
+    partial = (~full).nonzero().view(-1)
+    code = torch.full((rows.numel(),), TILE_FULL, dtype=torch.int32)
+    code[partial] = torch.arange(partial.numel(), dtype=torch.int32)
+    nqb, nkb = q_seg.numel(), k_seg.numel()
+    by_col = torch.argsort(cols, stable=True)
+    zero = torch.zeros(1, dtype=torch.long)
+    return CpuLayout(
+        block_q=block_q,
+        q_len=nq,
+        kv_len=nk,
+        row_ptr=torch.cat([zero, torch.bincount(rows, minlength=nqb).cumsum(0)]),
+        col_idx=cols.to(torch.int32),
+        code=code,
+        col_ptr=torch.cat([zero, torch.bincount(cols, minlength=nkb).cumsum(0)]),
+        row_idx=rows[by_col].to(torch.int32),
+        code_t=code[by_col],
+        bits=partial_bits(plan, rows[partial], cols[partial], block_q, q_starts, k_starts),
+        q_starts=q_starts,
+        k_starts=k_starts,
+    )
+
+
+def _build(plan: AttentionPlan, block_q: int) -> CpuLayout:
+    cut = segment_layout(plan, block_q)
+    uniform = layout_for(plan, block_q, BLOCK_K)
+    if cut is not None and cut.kept_tiles <= uniform.nnz:
+        return cut
+    return encode(plan, uniform)
+
+
 def kernel_layout(plan: AttentionPlan, block_q: int) -> CpuLayout:
-    """The kernel's arrays for `plan` with `block_q × 64` tiles, from qkv's cache (module
-    docstring)."""
+    """The kernel's arrays for `plan` with tiles of at most `block_q × 64`, from qkv's cache
+    (module docstring)."""
     if plan.mask is not None:
         return encode(plan, layout_for(plan, block_q, BLOCK_K))
     key = ("cpu-layout", plan.q_len, plan.kv_len, block_q, plan.causal, *mask_dims(plan))
-    return CACHE.get(
-        key, lambda: encode(plan, layout_for(plan, block_q, BLOCK_K)), owner=plan.mask_rule
-    )
+    return CACHE.get(key, lambda: _build(plan, block_q), owner=plan.mask_rule)

@@ -393,7 +393,7 @@ static inline bool tile_v_finite(const Problem& P, const FwdPlan& F, int64_t b, 
 static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf& w) {
   const Layout& L = P.lay;
   const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, i = it.i;
-  const int64_t r0 = i * bq, nr = imin(bq, P.Nq - r0), M = G * nr;
+  const int64_t r0 = tile_r0(P, i), nr = tile_nr(P, i), M = G * nr;
   const int64_t Dp = P.Dp, Dvp = P.Dvp, code_stride = L.bm * L.hm * bq;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = hkv * G + g;
@@ -411,7 +411,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
   __builtin_memset(w.acc, 0, (size_t)(M * Dvp) * 8);
   const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
   for (int64_t e = it.e0; e < it.e1; ++e) {
-    const int64_t j = L.col_idx[e], code = L.code[e], c0 = j * BK, kw = imin(BK, P.Nk - c0);
+    const int64_t j = L.col_idx[e], code = L.code[e], c0 = tile_c0(P, j), kw = tile_kw(P, j);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
     const float* krows = w.kr;
     int64_t ldk = Dp;
@@ -557,7 +557,7 @@ static void write_dq(const Problem& P, int64_t b, int64_t hkv, int64_t r0, int64
 // partial and, if it is the last one, sum all partials in chunk order and write that
 static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv, int64_t t,
                      const double* acc, Buf& w) {
-  const int64_t bq = P.lay.bq, i = Bp.t_tile[t], r0 = i * bq, nr = imin(bq, P.Nq - r0);
+  const int64_t bq = P.lay.bq, i = Bp.t_tile[t], r0 = tile_r0(P, i), nr = tile_nr(P, i);
   const int64_t tile = P.G * bq * P.Dp;
   if (Bp.t_slot[t] < 0) {
     write_dq(P, b, hkv, r0, nr, acc, w.tmp);
@@ -649,7 +649,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       ++next_first;
     }
     const int64_t e0 = L.col_ptr[j], e1 = L.col_ptr[j + 1];
-    const int64_t c0 = j * BK, kw = imin(BK, P.Nk - c0);
+    const int64_t c0 = tile_c0(P, j), kw = tile_kw(P, j);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
     if (e1 > e0) {
       bwd_pack(P, b, hkv, c0, kw, w);
@@ -657,7 +657,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       __builtin_memset(w.dv64, 0, (size_t)(BK * Dvp) * 8);
     }
     for (int64_t e = e0; e < e1; ++e) {
-      const int64_t i = L.row_idx[e], code = L.code_t[e], r0 = i * bq, nr = imin(bq, P.Nq - r0);
+      const int64_t i = L.row_idx[e], code = L.code_t[e], r0 = tile_r0(P, i), nr = tile_nr(P, i);
       double* qacc = w.pool + w.slot_of[Bp.local[e]] * tile;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hkv * G + g;
@@ -751,7 +751,7 @@ static const double PEAKED = 0.5;
 
 static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf& w) {
   const Layout& L = P.lay;
-  const int64_t G = P.G, bq = L.bq, r0 = i * bq, nr = imin(bq, P.Nq - r0);
+  const int64_t G = P.G, bq = L.bq, r0 = tile_r0(P, i), nr = tile_nr(P, i);
   bool peaked = false;
   for (int64_t g = 0; g < G && !peaked; ++g)
     for (int64_t r = 0; r < nr && !peaked; ++r) {
@@ -771,7 +771,7 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
   double* spd = w.alpha;  // Σ_j P_ij dP̃_ij
   for (int64_t R = 0; R < G * nr; ++R) sp[R] = spd[R] = 0.0;
   for (int64_t e = L.row_ptr[i]; e < L.row_ptr[i + 1]; ++e) {
-    const int64_t j = L.col_idx[e], code = L.code[e], c0 = j * BK, kw = imin(BK, P.Nk - c0);
+    const int64_t j = L.col_idx[e], code = L.code[e], c0 = tile_c0(P, j), kw = tile_kw(P, j);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
     bwd_pack(P, b, hkv, c0, kw, w);
     for (int64_t g = 0; g < G; ++g) {

@@ -20,6 +20,10 @@
 
 #include "problem.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace qkv_cpu {
 namespace {
 
@@ -80,10 +84,27 @@ void check_index(const at::Tensor& t, at::ScalarType st, const char* name) {
 
 Layout layout_of(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at::Tensor& code,
                  const at::Tensor& col_ptr, const at::Tensor& row_idx, const at::Tensor& code_t,
-                 const at::Tensor& bits, int64_t bq, int64_t Nq, int64_t Nk, int64_t B,
-                 int64_t H) {
+                 const at::Tensor& bits, const std::optional<at::Tensor>& q_starts,
+                 const std::optional<at::Tensor>& k_starts, int64_t bq, int64_t Nq, int64_t Nk,
+                 int64_t B, int64_t H) {
   TORCH_CHECK(bq >= 1, "qkv_cpu: block_q must be ≥ 1");
-  const int64_t nqb = (Nq + bq - 1) / bq, nkb = (Nk + BK - 1) / BK;
+  const bool ragged = q_starts.has_value() && q_starts->defined();
+  TORCH_CHECK(ragged == (k_starts.has_value() && k_starts->defined()),
+              "qkv_cpu: q_starts and k_starts come together");
+  // tile origins: the uniform grid, or the given starts (each tile 1 … bq rows / 1 … 64 keys)
+  auto check_starts = [&](const at::Tensor& t, int64_t n, int64_t most, const char* what) {
+    check_index(t, at::kLong, what);
+    TORCH_CHECK(t.numel() >= 1, "qkv_cpu: ", what, " is empty");
+    const int64_t* p = t.data_ptr<int64_t>();
+    const int64_t m = t.numel() - 1;
+    TORCH_CHECK(p[0] == 0 && p[m] == n, "qkv_cpu: ", what, " must run from 0 to ", n);
+    for (int64_t i = 0; i < m; ++i)
+      TORCH_CHECK(p[i + 1] > p[i] && p[i + 1] - p[i] <= most, "qkv_cpu: ", what,
+                  " must rise by 1 … ", most, " per tile");
+    return m;
+  };
+  const int64_t nqb = ragged ? check_starts(*q_starts, Nq, bq, "q_starts") : (Nq + bq - 1) / bq;
+  const int64_t nkb = ragged ? check_starts(*k_starts, Nk, BK, "k_starts") : (Nk + BK - 1) / BK;
   TORCH_CHECK(bits.device().is_cpu() && bits.scalar_type() == at::kLong && bits.is_contiguous() &&
                   bits.dim() == 4 && bits.size(3) == bq,
               "qkv_cpu: bits must be a contiguous int64 (P, Bm, Hm, block_q) tensor");
@@ -96,6 +117,8 @@ Layout layout_of(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at:
   L.bits = reinterpret_cast<const uint64_t*>(bits.data_ptr<int64_t>());
   L.bm = bm;
   L.hm = hm;
+  L.q_starts = ragged ? q_starts->data_ptr<int64_t>() : nullptr;
+  L.k_starts = ragged ? k_starts->data_ptr<int64_t>() : nullptr;
   const int64_t P = bits.size(0);
   auto check_csr = [&](const at::Tensor& ptr, const at::Tensor& idx, const at::Tensor& cd,
                        int64_t n_rows, int64_t n_cols, const char* what) {
@@ -220,7 +243,7 @@ void fill_empty_rows(const Problem& P, const at::Tensor& out) {
   const int64_t es = out.element_size();
   for (int64_t i = 0; i < L.nqb; ++i) {
     if (L.row_ptr[i + 1] > L.row_ptr[i]) continue;
-    const int64_t r0 = i * L.bq, r1 = std::min(P.Nq, r0 + L.bq);
+    const int64_t r0 = tile_r0(P, i), r1 = r0 + tile_nr(P, i);
     for (int64_t bh = 0; bh < P.B * P.H; ++bh) {
       std::memset((char*)out.data_ptr() + (bh * P.Nq + r0) * P.Dv * es, 0, (r1 - r0) * P.Dv * es);
       for (int64_t r = r0; r < r1; ++r) {
@@ -241,18 +264,36 @@ void zero_untouched(const Problem& P, const at::Tensor& dq, const at::Tensor& dk
   for (int64_t e = 0; e < L.col_ptr[L.nkb]; ++e) touched[L.row_idx[e]] = 1;
   for (int64_t i = 0; i < L.nqb; ++i) {
     if (touched[i]) continue;
-    const int64_t r0 = i * L.bq, n = std::min(P.Nq, r0 + L.bq) - r0;
+    const int64_t r0 = tile_r0(P, i), n = tile_nr(P, i);
     for (int64_t bh = 0; bh < P.B * P.H; ++bh)
       std::memset((char*)dq.data_ptr() + (bh * P.Nq + r0) * P.D * es, 0, n * P.D * es);
   }
   for (int64_t j = 0; j < L.nkb; ++j) {
     if (L.col_ptr[j + 1] > L.col_ptr[j]) continue;
-    const int64_t c0 = j * BK, n = std::min(P.Nk, c0 + BK) - c0;
+    const int64_t c0 = tile_c0(P, j), n = tile_kw(P, j);
     for (int64_t bh = 0; bh < P.B * P.Hkv; ++bh) {
       std::memset((char*)dk.data_ptr() + (bh * P.Nk + c0) * P.D * es, 0, n * P.D * es);
       std::memset((char*)dv.data_ptr() + (bh * P.Nk + c0) * P.Dv * es, 0, n * P.Dv * es);
     }
   }
+}
+
+// A large result, uninitialised. Its pages are still untouched: on Linux they are marked for
+// transparent huge pages first, so the kernel's first writes fault in 2 MiB pages instead of
+// 4 KiB ones (a fresh 90 MB output costs 28 ms of page faults on one core in 4 KiB pages,
+// 5 ms in huge pages). Only whole 2 MiB pages inside the tensor are marked; memory the
+// allocator reuses is already mapped and the advice changes nothing there.
+at::Tensor empty_result(at::IntArrayRef size, const at::TensorOptions& opts) {
+  at::Tensor t = at::empty(size, opts);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t HUGE_PAGE = uintptr_t(2) << 20;
+  const uintptr_t p = (uintptr_t)t.data_ptr(), n = (uintptr_t)t.nbytes();
+  if (n >= 4 * HUGE_PAGE) {
+    const uintptr_t lo = (p + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1), hi = (p + n) & ~(HUGE_PAGE - 1);
+    if (hi > lo) madvise((void*)lo, hi - lo, MADV_HUGEPAGE);  // advice: failure changes nothing
+  }
+#endif
+  return t;
 }
 
 // ---------------------------------------------------------------------------- forward plan
@@ -284,7 +325,6 @@ void plan_forward(const Problem& P, FwdState& S) {
     const int64_t kept = L.row_ptr[i + 1] - L.row_ptr[i];
     if (kept == 0) continue;
     const int64_t ns = (kept + per_item - 1) / per_item;
-    const int64_t rows = std::min(L.bq, P.Nq - i * L.bq) * P.G;
     for (int64_t bh = 0; bh < BH; ++bh) {
       S.nsplit[bh * nqb + i] = (int32_t)ns;
       if (ns > 1) {
@@ -299,7 +339,6 @@ void plan_forward(const Problem& P, FwdState& S) {
         it.split = (int32_t)s;
         it.e0 = L.row_ptr[i] + kept * s / ns;
         it.e1 = L.row_ptr[i] + kept * (s + 1) / ns;
-        (void)rows;
         S.items.push_back(it);
       }
     }
@@ -461,16 +500,17 @@ void plan_backward(const Problem& P, BwdState& S) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& row_ptr,
     const at::Tensor& col_idx, const at::Tensor& tile_code, const at::Tensor& bits,
+    const std::optional<at::Tensor>& q_starts, const std::optional<at::Tensor>& k_starts,
     int64_t block_q, double scale, const std::optional<at::Tensor>& slopes, double softcap,
     bool alibi_after_softcap, double dropout_p, int64_t dropout_seed, const std::string& isa) {
   const Kernels& K = kernels_for(isa);
   Inputs in = inputs_of(q, k, v, scale, slopes, softcap, alibi_after_softcap, dropout_p, dropout_seed);
   Problem& P = in.P;
   P.lay = layout_of(row_ptr, col_idx, tile_code, at::Tensor(), at::Tensor(), at::Tensor(), bits,
-                    block_q, P.Nq, P.Nk, P.B, P.H);
+                    q_starts, k_starts, block_q, P.Nq, P.Nk, P.B, P.H);
   const auto opts = in.q.options();
   // uninitialised: every row is written by an item or by fill_empty_rows
-  at::Tensor out = at::empty({P.B, P.H, P.Nq, P.Dv}, opts);
+  at::Tensor out = empty_result({P.B, P.H, P.Nq, P.Dv}, opts);
   at::Tensor m = at::empty({P.B, P.H, P.Nq}, opts.dtype(at::kFloat));
   at::Tensor l = at::empty({P.B, P.H, P.Nq}, opts.dtype(at::kDouble));
   at::Tensor lse = at::empty({P.B, P.H, P.Nq}, opts.dtype(at::kFloat));
@@ -494,14 +534,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& m,
     const at::Tensor& l, const at::Tensor& row_ptr, const at::Tensor& col_idx,
     const at::Tensor& tile_code, const at::Tensor& col_ptr, const at::Tensor& row_idx,
-    const at::Tensor& tile_code_t, const at::Tensor& bits, int64_t block_q, double scale,
+    const at::Tensor& tile_code_t, const at::Tensor& bits,
+    const std::optional<at::Tensor>& q_starts, const std::optional<at::Tensor>& k_starts,
+    int64_t block_q, double scale,
     const std::optional<at::Tensor>& slopes, double softcap, bool alibi_after_softcap,
     double dropout_p, int64_t dropout_seed, const std::string& isa) {
   const Kernels& K = kernels_for(isa);
   Inputs in = inputs_of(q, k, v, scale, slopes, softcap, alibi_after_softcap, dropout_p, dropout_seed);
   Problem& P = in.P;
-  P.lay = layout_of(row_ptr, col_idx, tile_code, col_ptr, row_idx, tile_code_t, bits, block_q,
-                    P.Nq, P.Nk, P.B, P.H);
+  P.lay = layout_of(row_ptr, col_idx, tile_code, col_ptr, row_idx, tile_code_t, bits, q_starts,
+                    k_starts, block_q, P.Nq, P.Nk, P.B, P.H);
   TORCH_CHECK(dout.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == P.B &&
                   out.size(1) == P.H && out.size(2) == P.Nq && out.size(3) == P.Dv,
               "qkv_cpu: dout and out must be (B, H, Nq, Dv)");
@@ -522,9 +564,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   P.dlse = dlse_c.defined() ? dlse_c.data_ptr<float>() : nullptr;
   const auto opts = in.q.options();
   // uninitialised: every row is written by an item or zeroed by zero_untouched
-  at::Tensor dq = at::empty({P.B, P.H, P.Nq, P.D}, opts);
-  at::Tensor dk = at::empty({P.B, P.Hkv, P.Nk, P.D}, opts);
-  at::Tensor dv = at::empty({P.B, P.Hkv, P.Nk, P.Dv}, opts);
+  at::Tensor dq = empty_result({P.B, P.H, P.Nq, P.D}, opts);
+  at::Tensor dk = empty_result({P.B, P.Hkv, P.Nk, P.D}, opts);
+  at::Tensor dv = empty_result({P.B, P.Hkv, P.Nk, P.Dv}, opts);
   P.dq = dq.data_ptr();
   P.dk = dk.data_ptr();
   P.dv = dv.data_ptr();
@@ -555,14 +597,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
 TORCH_LIBRARY(qkv_cpu, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor row_ptr, Tensor col_idx, Tensor tile_code, "
-      "Tensor bits, int block_q, float scale, Tensor? slopes, float softcap, "
-      "bool alibi_after_softcap, float dropout_p, int dropout_seed, str isa) "
+      "Tensor bits, Tensor? q_starts, Tensor? k_starts, int block_q, float scale, Tensor? slopes, "
+      "float softcap, bool alibi_after_softcap, float dropout_p, int dropout_seed, str isa) "
       "-> (Tensor out, Tensor m, Tensor l, Tensor lse)",
       &qkv_cpu::forward);
   m.def(
       "backward(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor m, "
       "Tensor l, Tensor row_ptr, Tensor col_idx, Tensor tile_code, Tensor col_ptr, Tensor row_idx, "
-      "Tensor tile_code_t, Tensor bits, int block_q, "
+      "Tensor tile_code_t, Tensor bits, Tensor? q_starts, Tensor? k_starts, int block_q, "
       "float scale, Tensor? slopes, float softcap, bool alibi_after_softcap, float dropout_p, "
       "int dropout_seed, str isa) -> (Tensor dq, Tensor dk, Tensor dv)",
       &qkv_cpu::backward);

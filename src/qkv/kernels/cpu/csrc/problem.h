@@ -31,6 +31,12 @@ struct Layout {
   const int32_t* code_t;   // (nnz)
   const uint64_t* bits;    // (P, bm, hm, bq)
   int64_t bm, hm;          // 1 or B, 1 or H: whether the mask depends on the batch / the head
+  // Tile origins, or null for the uniform grid (query tile i at row i·bq, key tile j at key
+  // j·64): query tile i holds rows [q_starts[i], q_starts[i+1]) (at most bq), key tile j keys
+  // [k_starts[j], k_starts[j+1]) (at most 64) — tiles cut at the segment boundaries of packed
+  // sequences, so a short segment is one tile instead of pieces of two.
+  const int64_t* q_starts;  // (nqb + 1) or null
+  const int64_t* k_starts;  // (nkb + 1) or null
 };
 
 // Score modifiers, applied to x = (q · k) · scale in this order: ALiBi before the softcap
@@ -71,6 +77,23 @@ struct Problem {
   Mods mods;
   Drop drop;
 };
+
+// Query tile i: rows [tile_r0, tile_r0 + tile_nr); key tile j: keys [tile_c0, tile_c0 + tile_kw).
+static inline int64_t tile_r0(const Problem& P, int64_t i) {
+  return P.lay.q_starts ? P.lay.q_starts[i] : i * P.lay.bq;
+}
+static inline int64_t tile_nr(const Problem& P, int64_t i) {
+  if (P.lay.q_starts) return P.lay.q_starts[i + 1] - P.lay.q_starts[i];
+  const int64_t r0 = i * P.lay.bq;
+  return P.Nq - r0 < P.lay.bq ? P.Nq - r0 : P.lay.bq;
+}
+static inline int64_t tile_c0(const Problem& P, int64_t j) {
+  return P.lay.k_starts ? P.lay.k_starts[j] : j * BK;
+}
+static inline int64_t tile_kw(const Problem& P, int64_t j) {
+  if (P.lay.k_starts) return P.lay.k_starts[j + 1] - P.lay.k_starts[j];
+  return P.Nk - j * BK < BK ? P.Nk - j * BK : BK;
+}
 
 // Forward work item: rows of query tile i of (b, kv head hkv) — all G query heads of the group —
 // over the kept tiles [e0, e1) of the tile row (a split of it when split_count > 1).
