@@ -14,6 +14,11 @@ O(kept tiles), never O((N/tile)²): a rule that knows which keys a tile of queri
 dense tensor) is examined tile by tile. A tile is EMPTY only if it is empty for every batch
 element and head, FULL only if full for all of them.
 
+Packed sequences (a Mask with `segments`: `masks.document`, `masks.varlen`) can also be cut at
+their segment boundaries instead of a uniform grid (`segment_tiles`), for a kernel that reads
+ragged tile origins (the compiled CPU kernel): a short segment is then one tile, not pieces of
+two.
+
 `layout_for(plan, ...)` keeps the layouts of a Mask in qkv's cache, held against the Mask
 weakly, so a training loop builds each once; `block_layout(...)` builds one to hold, as
 FlexAttention users hold a `BlockMask`, and `qkv.attention(..., mask=layout)` runs it.
@@ -411,6 +416,78 @@ def _from_tiles(nq, nk, bq, bk, causal, rows, cols, full) -> BlockLayout:
 
 
 # ------------------------------------------------------------------------------- front doors
+
+
+@dataclass(frozen=True)
+class SegmentTiles:
+    """Kept tiles of a packed-sequence problem cut at its segment boundaries (`segment_tiles`):
+    query tile i holds rows `q_starts[i] … q_starts[i+1]`, key tile j keys `k_starts[j] …
+    k_starts[j+1]`; kept tile t is (rows[t], cols[t]), row by row, FULL where `full[t]`."""
+
+    q_starts: torch.Tensor  # int64 (nqb + 1)
+    k_starts: torch.Tensor  # int64 (nkb + 1)
+    rows: torch.Tensor  # int64 (nnz)
+    cols: torch.Tensor  # int64 (nnz)
+    full: torch.Tensor  # bool (nnz)
+
+
+def tile_starts(cu: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments `cu` (int64, from 0 to the total) cut into tiles of at most `block`: the tiles'
+    starts followed by the total `(T + 1,)`, and each tile's segment `(T,)`."""
+    lengths = cu.diff()
+    count = (lengths + block - 1) // block  # tiles per segment; 0 for an empty one
+    seg = torch.repeat_interleave(torch.arange(count.numel()), count)
+    first = torch.repeat_interleave(count.cumsum(0) - count, count)  # the segment's first tile
+    starts = cu[:-1][seg] + (torch.arange(seg.numel()) - first) * block
+    return torch.cat([starts, cu[-1:]]), seg
+
+
+def segment_tiles(
+    q_len: int,
+    kv_len: int,
+    block_q: int,
+    block_k: int,
+    *,
+    causal: bool = False,
+    rule: Any = None,
+    max_candidates: int | None = None,
+) -> SegmentTiles | None:
+    """Tiles cut at the segments of a packed-sequence rule (`Mask.segments`): each segment's
+    rows in pieces of at most `block_q`, its keys in pieces of at most `block_k`; a segment's
+    own tiles are the candidates (no pair crosses a segment), classified by the causal flag and
+    the rule's tile bounds. None when the rule has no segments or no bounds, or when the
+    candidates number more than `max_candidates`."""
+    cu = None if rule is None or not rule.has_bounds else rule.segments(q_len, kv_len)
+    if cu is None:
+        return None
+    q_starts, q_seg = tile_starts(cu[0], block_q)
+    k_starts, k_seg = tile_starts(cu[1], block_k)
+    k_count = torch.bincount(k_seg, minlength=cu[0].numel() - 1)
+    per_row = k_count[q_seg]  # every key tile of the row's segment
+    if max_candidates is not None and int(per_row.sum()) > max_candidates:
+        return None
+    rows = torch.repeat_interleave(torch.arange(q_seg.numel()), per_row)
+    row_first = torch.repeat_interleave(per_row.cumsum(0) - per_row, per_row)
+    cols = (k_count.cumsum(0) - k_count)[q_seg[rows]] + torch.arange(rows.numel()) - row_first
+    off = kv_len - q_len  # bounds take positions in key coordinates
+    ql, qh = q_starts[rows] + off, q_starts[rows + 1] - 1 + off
+    kl, kh = k_starts[cols], k_starts[cols + 1] - 1
+    maybe = torch.ones(rows.numel(), dtype=torch.bool)
+    surely = maybe.clone()
+    if causal:
+        maybe &= kl <= qh
+        surely &= kh <= ql
+    if rows.numel():
+        shape = (rule.batch or 1, rule.heads or 1, rows.numel())
+        bi = torch.arange(shape[0]).view(-1, 1, 1)
+        hi = torch.arange(shape[1]).view(1, -1, 1)
+        any_, all_ = (
+            torch.broadcast_to(x, shape).reshape(-1, rows.numel())
+            for x in rule.tile_bounds(bi, hi, ql, qh, kl, kh, kv_len)
+        )
+        maybe &= any_.any(0)
+        surely &= all_.all(0)
+    return SegmentTiles(q_starts, k_starts, rows[maybe], cols[maybe], surely[maybe])
 
 
 def layout_for(plan: Any, block_q: int, block_k: int) -> BlockLayout:

@@ -391,3 +391,20 @@ def test_peaked_rows_keep_their_gradient():
     v = torch.tensor([[[[-0.5966], [0.1820], [-0.8567], [1.1006], [-1.0712], [0.1227]]]])
     q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
     _check_grads(CpuBackend(), q, k, v, torch.bfloat16, mask=masks.causal())
+
+
+def test_float32_matmul_precision_high_scores_in_float_within_the_rule():
+    # "highest" (torch's default): scores summed in double; "high": one float gemm. Both pass
+    # the rule; they differ in the last bits; the backward reads the forward's choice.
+    q, k, v = make_qkv(B=1, H=2, Nq=150, D=40, requires_grad=True)
+    exact = qkv.attention(q, k, v, backend="cpu")
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        fast = qkv.attention(q, k, v, backend="cpu")
+        _check_grads(CpuBackend(), q, k, v, torch.float32, causal=True)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert not torch.equal(exact, fast)
+    ref = qkv.attention(q, k, v, backend="reference")
+    assert_error_ratio(fast, ref, golden(q, k, v))

@@ -42,6 +42,16 @@ def _layout(q, k, mask, causal: bool, rule: int, held: int, block_q: int):
     return kernel_layout(problem, block_q)  # type: ignore[arg-type]
 
 
+@torch.compiler.assume_constant_result  # a compiled graph keeps the setting it was traced under
+def exact_scores() -> bool:
+    """Whether float32 scores are summed in double (one rounding each): at torch's default
+    float32 matmul precision, "highest". Under `torch.set_float32_matmul_precision("high")` (or
+    "medium"), which lets torch's own float32 matmuls round more, the scores are one float
+    gemm like torch's kernels: the forward about 20% faster, within the same error rule but
+    with less margin under it (docs/cpu.md, "Accuracy")."""
+    return torch.get_float32_matmul_precision() == "highest"
+
+
 def _seed(seed: torch.Tensor | None) -> int:
     return 0 if seed is None else int(seed)
 
@@ -61,14 +71,15 @@ def forward_impl(
     rule: int,
     held: int,
     block_q: int,
+    exact_scores: bool,
     isa: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out, lse, m, l)`: each row's max m (float32) and denominator l (float64) are what the
-    backward needs."""
+    backward needs. `exact_scores`: float32 scores summed in double (else in float)."""
     L = _layout(q, k, mask, causal, rule, held, block_q)
     out, m, l, lse = load().forward(
         q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.q_starts, L.k_starts, L.block_q, scale,
-        slopes, softcap, alibi_after, dropout_p, _seed(seed), isa,
+        slopes, softcap, alibi_after, dropout_p, _seed(seed), exact_scores, isa,
     )  # fmt: skip
     return out, lse, m, l
 
@@ -107,6 +118,7 @@ def backward_impl(
     rule: int,
     held: int,
     block_q: int,
+    exact_scores: bool,
     isa: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dq, dk, dv)` of `cpu_forward`'s out and lse."""
@@ -114,7 +126,7 @@ def backward_impl(
     return load().backward(
         dout, dlse, q, k, v, out, m, l, L.row_ptr, L.col_idx, L.code, L.col_ptr, L.row_idx,
         L.code_t, L.bits, L.q_starts, L.k_starts, L.block_q,
-        scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), isa,
+        scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), exact_scores, isa,
     )  # fmt: skip
 
 
@@ -128,7 +140,8 @@ def _(dout, dlse, q, k, v, *args):
 
 class CpuAttention(torch.autograd.Function):
     """Autograd around the two ops: `apply(q, k, v, mask, seed, slopes, scale, causal,
-    dropout_p, softcap, alibi_after, rule, held, block_q, isa)` → `(out, lse, m, l)`."""
+    dropout_p, softcap, alibi_after, rule, held, block_q, exact_scores, isa)` →
+    `(out, lse, m, l)`."""
 
     @staticmethod
     def forward(q, k, v, *args):  # type: ignore[override]
@@ -141,7 +154,7 @@ class CpuAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, m, l, mask, seed, slopes)
         ctx.args = tuple(rest)
         if not torch.compiler.is_compiling():  # eager: the Mask lives until the backward
-            ctx.alive = (lookup(rest[-4]), lookup(rest[-3]))
+            ctx.alive = (lookup(rest[-5]), lookup(rest[-4]))
         ctx.mark_non_differentiable(m, l)
         ctx.set_materialize_grads(False)
 
@@ -152,4 +165,4 @@ class CpuAttention(torch.autograd.Function):
             if dout is None:
                 dout = torch.zeros_like(out)
             grads = cpu_backward(dout, dlse, q, k, v, out, m, l, mask, seed, slopes, *ctx.args)
-        return *once_differentiable("cpu", grads, (q, k, v)), *([None] * 12)
+        return *once_differentiable("cpu", grads, (q, k, v)), *([None] * 13)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import CACHE
-from ...layout import BlockLayout, allowed, layout_for
+from ...layout import BlockLayout, allowed, layout_for, segment_tiles
 from ...plan import AttentionPlan
 
 BLOCK_K = 64  # keys per tile: one uint64 of mask bits per tile row
@@ -150,77 +150,41 @@ def encode(plan: AttentionPlan, lay: BlockLayout) -> CpuLayout:
     )
 
 
-def tile_starts(cu: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Segments `cu` (int64, from 0 to the total) cut into tiles of at most `block`: the tiles'
-    starts followed by the total `(T + 1,)`, and each tile's segment `(T,)`."""
-    lengths = cu.diff()
-    count = (lengths + block - 1) // block  # tiles per segment; 0 for an empty one
-    seg = torch.repeat_interleave(torch.arange(count.numel()), count)
-    first = torch.repeat_interleave(count.cumsum(0) - count, count)  # the segment's first tile
-    starts = cu[:-1][seg] + (torch.arange(seg.numel()) - first) * block
-    return torch.cat([starts, cu[-1:]]), seg
-
-
 def segment_layout(plan: AttentionPlan, block_q: int) -> CpuLayout | None:
     """The layout with tiles cut at the segment boundaries of `plan`'s packed-sequence mask
-    (module docstring), or None when the mask has no segments or the cut's candidate tiles
-    outnumber the uniform grid's kept tiles fourfold (it could not win; this bounds its cost)."""
-    rule = plan.mask_rule
-    if rule is None or plan.mask is not None or plan.layout is not None:
+    (module docstring; the tiles from `qkv.layout.segment_tiles`), or None when the mask has no
+    segments or the cut's candidate tiles outnumber the uniform grid's kept tiles fourfold (it
+    could not win; this bounds its cost)."""
+    if plan.mask_rule is None or plan.mask is not None or plan.layout is not None:
         return None
-    nq, nk = plan.q_len, plan.kv_len
-    cu = rule.segments(nq, nk)
-    if cu is None:
-        return None
-    q_starts, q_seg = tile_starts(cu[0], block_q)
-    k_starts, k_seg = tile_starts(cu[1], BLOCK_K)
-    n_seg = cu[0].numel() - 1
-    k_count = torch.bincount(k_seg, minlength=n_seg)
-    per_row = k_count[q_seg]  # candidates: every key tile of the row's segment
     uniform = layout_for(plan, block_q, BLOCK_K)
-    if int(per_row.sum()) > 4 * uniform.nnz:
+    cut = segment_tiles(
+        plan.q_len, plan.kv_len, block_q, BLOCK_K, causal=plan.causal, rule=plan.mask_rule,
+        max_candidates=4 * uniform.nnz,
+    )  # fmt: skip
+    if cut is None:
         return None
-    rows = torch.repeat_interleave(torch.arange(q_seg.numel()), per_row)
-    row_first = torch.repeat_interleave(per_row.cumsum(0) - per_row, per_row)
-    cols = (k_count.cumsum(0) - k_count)[q_seg[rows]] + torch.arange(rows.numel()) - row_first
-    off = nk - nq  # bounds take positions in key coordinates
-    ql, qh = q_starts[rows] + off, q_starts[rows + 1] - 1 + off
-    kl, kh = k_starts[cols], k_starts[cols + 1] - 1
-    maybe = torch.ones(rows.numel(), dtype=torch.bool)
-    surely = maybe.clone()
-    if plan.causal:
-        maybe &= kl <= qh
-        surely &= kh <= ql
-    if rows.numel():
-        shape = (rule.batch or 1, rule.heads or 1, rows.numel())
-        bi = torch.arange(shape[0]).view(-1, 1, 1)
-        hi = torch.arange(shape[1]).view(1, -1, 1)
-        any_, all_ = (
-            torch.broadcast_to(x, shape).reshape(-1, rows.numel())
-            for x in rule.tile_bounds(bi, hi, ql, qh, kl, kh, nk)
-        )
-        maybe &= any_.any(0)
-        surely &= all_.all(0)
-    rows, cols, full = rows[maybe], cols[maybe], surely[maybe]
-    partial = (~full).nonzero().view(-1)
-    code = torch.full((rows.numel(),), TILE_FULL, dtype=torch.int32)
+    partial = (~cut.full).nonzero().view(-1)
+    code = torch.full((cut.rows.numel(),), TILE_FULL, dtype=torch.int32)
     code[partial] = torch.arange(partial.numel(), dtype=torch.int32)
-    nqb, nkb = q_seg.numel(), k_seg.numel()
-    by_col = torch.argsort(cols, stable=True)
+    nqb, nkb = cut.q_starts.numel() - 1, cut.k_starts.numel() - 1
+    by_col = torch.argsort(cut.cols, stable=True)
     zero = torch.zeros(1, dtype=torch.long)
     return CpuLayout(
         block_q=block_q,
-        q_len=nq,
-        kv_len=nk,
-        row_ptr=torch.cat([zero, torch.bincount(rows, minlength=nqb).cumsum(0)]),
-        col_idx=cols.to(torch.int32),
+        q_len=plan.q_len,
+        kv_len=plan.kv_len,
+        row_ptr=torch.cat([zero, torch.bincount(cut.rows, minlength=nqb).cumsum(0)]),
+        col_idx=cut.cols.to(torch.int32),
         code=code,
-        col_ptr=torch.cat([zero, torch.bincount(cols, minlength=nkb).cumsum(0)]),
-        row_idx=rows[by_col].to(torch.int32),
+        col_ptr=torch.cat([zero, torch.bincount(cut.cols, minlength=nkb).cumsum(0)]),
+        row_idx=cut.rows[by_col].to(torch.int32),
         code_t=code[by_col],
-        bits=partial_bits(plan, rows[partial], cols[partial], block_q, q_starts, k_starts),
-        q_starts=q_starts,
-        k_starts=k_starts,
+        bits=partial_bits(
+            plan, cut.rows[partial], cut.cols[partial], block_q, cut.q_starts, cut.k_starts
+        ),
+        q_starts=cut.q_starts,
+        k_starts=cut.k_starts,
     )
 
 
