@@ -314,22 +314,8 @@ def build(
             lo, hi = _intersect(lo, hi, *reach)
     rows, cols = _candidates(lo, hi, block_k, nkb)
     # Classify the candidates: any/all over every (b, h) the rule or mask depends on.
-    maybe = torch.ones(rows.numel(), dtype=torch.bool)
-    surely = torch.ones(rows.numel(), dtype=torch.bool)
     ql, qh, kl, kh = q_lo[rows], q_hi[rows], k_lo[cols], k_hi[cols]
-    if causal:
-        maybe &= kl <= qh
-        surely &= kh <= ql
-    if rule is not None and rule.has_bounds and rows.numel():
-        shape = (rule.batch or 1, rule.heads or 1, rows.numel())
-        bi = torch.arange(shape[0]).view(-1, 1, 1)
-        hi_ = torch.arange(shape[1]).view(1, -1, 1)
-        any_, all_ = (
-            torch.broadcast_to(x, shape).reshape(-1, rows.numel())
-            for x in rule.tile_bounds(bi, hi_, ql, qh, kl, kh, kv_len)
-        )
-        maybe &= any_.any(0)
-        surely &= all_.all(0)
+    maybe, surely = _bound_tiles(ql, qh, kl, kh, kv_len, causal, rule)
     scan = [] if rule is None or rule.has_bounds else [("rule", rule)]
     if mask is not None:
         scan.append(("mask", mask))
@@ -341,6 +327,28 @@ def build(
     return _from_tiles(
         q_len, kv_len, block_q, block_k, causal, rows[keep], cols[keep], (surely & maybe)[keep]
     )
+
+
+def _bound_tiles(ql, qh, kl, kh, kv_len: int, causal: bool, rule: Any):
+    """(maybe_any, surely_all) per candidate tile [ql, qh] × [kl, kh] (key coordinates) from
+    the causal flag and, where the rule has them, its tile bounds over every (b, h) it depends
+    on; a rule without bounds leaves its tiles to `_examine`."""
+    maybe = torch.ones(ql.numel(), dtype=torch.bool)
+    surely = maybe.clone()
+    if causal:
+        maybe &= kl <= qh
+        surely &= kh <= ql
+    if rule is not None and rule.has_bounds and ql.numel():
+        shape = (rule.batch or 1, rule.heads or 1, ql.numel())
+        bi = torch.arange(shape[0]).view(-1, 1, 1)
+        hi = torch.arange(shape[1]).view(1, -1, 1)
+        any_, all_ = (
+            torch.broadcast_to(x, shape).reshape(-1, ql.numel())
+            for x in rule.tile_bounds(bi, hi, ql, qh, kl, kh, kv_len)
+        )
+        maybe &= any_.any(0)
+        surely &= all_.all(0)
+    return maybe, surely
 
 
 def _empty() -> torch.Tensor:
@@ -472,21 +480,7 @@ def segment_tiles(
     off = kv_len - q_len  # bounds take positions in key coordinates
     ql, qh = q_starts[rows] + off, q_starts[rows + 1] - 1 + off
     kl, kh = k_starts[cols], k_starts[cols + 1] - 1
-    maybe = torch.ones(rows.numel(), dtype=torch.bool)
-    surely = maybe.clone()
-    if causal:
-        maybe &= kl <= qh
-        surely &= kh <= ql
-    if rows.numel():
-        shape = (rule.batch or 1, rule.heads or 1, rows.numel())
-        bi = torch.arange(shape[0]).view(-1, 1, 1)
-        hi = torch.arange(shape[1]).view(1, -1, 1)
-        any_, all_ = (
-            torch.broadcast_to(x, shape).reshape(-1, rows.numel())
-            for x in rule.tile_bounds(bi, hi, ql, qh, kl, kh, kv_len)
-        )
-        maybe &= any_.any(0)
-        surely &= all_.all(0)
+    maybe, surely = _bound_tiles(ql, qh, kl, kh, kv_len, causal, rule)
     return SegmentTiles(q_starts, k_starts, rows[maybe], cols[maybe], surely[maybe])
 
 
