@@ -310,8 +310,14 @@ static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t
     for (int64_t j0 = 0; j0 < BK; j0 += 16) transpose16(w.vr + j0 * Dvp + d0, Dvp, w.vt + d0 * BK + j0, BK);
 }
 
+// Decoding (float32, K and V read in place) streams each K/V row once with little work per
+// byte; the scores' loop asks for K rows this far ahead and for the V row of the same key, which
+// the P·V reads next (+17% K/V bytes per second at Nk = 32768 on the EPYC of docs/cpu.md).
+constexpr int64_t PREFETCH_ROWS = 8;
+
 // Scores of rows q (float, ldq) against the packed key tile: s = round(q·k · scale). For float32
-// inputs the products (exact in double) are summed in double (q64, kt64), so every score
+// inputs at torch's default matmul precision (P.exact_scores; else one float gemm) the products
+// (exact in double) are summed in double (q64, kt64), so every score
 // carries a single rounding where the float32 reference's carries its dot product's D
 // roundings; for 16-bit inputs, whose outputs round to 16 bits, float sums suffice.
 //
@@ -319,9 +325,16 @@ static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t
 // SIMD lanes straight from the key rows `krows` (no transposed tile). Which form runs depends on
 // the problem only, so the forward and the backward still compute the same bits.
 static void tile_scores(const Problem& P, int64_t M, const float* q, const double* q64, int64_t ldq,
-                        const float* krows, int64_t ldk, int64_t kw, Buf& w) {
+                        const float* krows, int64_t ldk, int64_t kw, Buf& w,
+                        const float* vpre = nullptr, int64_t ldvp = 0) {
   if (P.dot_scores) {
     for (int64_t j = 0; j < kw; ++j) {
+      if (vpre) {  // never faults, also past the last row
+        const char* kn = (const char*)(krows + (j + PREFETCH_ROWS) * ldk);
+        const char* vn = (const char*)(vpre + j * ldvp);
+        for (int64_t x = 0; x < P.D * 4; x += 64) __builtin_prefetch(kn + x);
+        for (int64_t x = 0; x < P.Dv * 4; x += 64) __builtin_prefetch(vn + x);
+      }
       if (P.exact_scores)
         dot_rows64(q64, ldq, M, krows + j * ldk, P.D, w.s + j, BK, P.mods.scale64);
       else
@@ -437,7 +450,8 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       ldv = Dvp;
     }
     if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
-    tile_scores(P, M, w.q, w.q64, Dp, krows, ldk, kw, w);
+    const bool stream = P.dot_scores && P.dtype == DT_F32 && vb != w.vr;  // K, V read in place
+    tile_scores(P, M, w.q, w.q64, Dp, krows, ldk, kw, w, stream ? vb : nullptr, ldv);
     for (int64_t R = 0; R < M; ++R) {
       float* srow = w.s + R * BK;
       float* prow = w.p + R * BK;
