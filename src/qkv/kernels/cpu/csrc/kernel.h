@@ -312,7 +312,7 @@ static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t
 
 // Decoding (float32, K and V read in place) streams each K/V row once with little work per
 // byte; the scores' loop asks for K rows this far ahead and for the V row of the same key, which
-// the P·V reads next (+17% K/V bytes per second at Nk = 32768 on the EPYC of docs/cpu.md).
+// the P·V reads next (docs/cpu.md, "Decoding", gives what it changed).
 constexpr int64_t PREFETCH_ROWS = 8;
 
 // Scores of rows q (float, ldq) against the packed key tile: s = round(q·k · scale). For float32
