@@ -150,14 +150,17 @@ def encode(plan: AttentionPlan, lay: BlockLayout) -> CpuLayout:
     )
 
 
-def segment_layout(plan: AttentionPlan, block_q: int) -> CpuLayout | None:
+def segment_layout(
+    plan: AttentionPlan, block_q: int, uniform: BlockLayout | None = None
+) -> CpuLayout | None:
     """The layout with tiles cut at the segment boundaries of `plan`'s packed-sequence mask
     (module docstring; the tiles from `qkv.layout.segment_tiles`), or None when the mask has no
     segments or the cut's candidate tiles outnumber the uniform grid's kept tiles fourfold (it
-    could not win; this bounds its cost)."""
+    could not win; this bounds its cost). `uniform`: that grid's layout, if the caller has it."""
     if plan.mask_rule is None or plan.mask is not None or plan.layout is not None:
         return None
-    uniform = layout_for(plan, block_q, BLOCK_K)
+    if uniform is None:
+        uniform = layout_for(plan, block_q, BLOCK_K)
     cut = segment_tiles(
         plan.q_len, plan.kv_len, block_q, BLOCK_K, causal=plan.causal, rule=plan.mask_rule,
         max_candidates=4 * uniform.nnz,
@@ -189,8 +192,8 @@ def segment_layout(plan: AttentionPlan, block_q: int) -> CpuLayout | None:
 
 
 def _build(plan: AttentionPlan, block_q: int) -> CpuLayout:
-    cut = segment_layout(plan, block_q)
     uniform = layout_for(plan, block_q, BLOCK_K)
+    cut = segment_layout(plan, block_q, uniform)
     if cut is not None and cut.kept_tiles <= uniform.nnz:
         return cut
     return encode(plan, uniform)
