@@ -26,11 +26,12 @@ qkv's pure-PyTorch `tiled`, every figure a ratio against an anchor measured in t
 - Memory: `cpu` forward + backward, each in a fresh process (the runner's probe). **beyond the
   caller's tensors** = the peak beyond the inputs minus what the call hands back to the caller
   (the output and dq, dk, dv: 4 × the size of q).
-- Under load: the forward of `cpu` and SDPA, alone and with one competing CPU-bound process
-  (`python -c 'while True: pass'`, stopped with SIGSTOP for the calls alone and resumed with
-  SIGCONT, then 0.3 s to settle, for the loaded ones); within each round every implementation
-  runs alone and loaded (the runner's interleaving, no quiet gate), **slowdown** = loaded /
-  alone time within a round, the median over rounds.
+- Under load: the forward of `cpu`, of `cpu` with its thread placement off (`QKV_CPU_PIN=0`:
+  threads not held one per CPU, docs/cpu.md) and of SDPA, alone and with one competing
+  CPU-bound process (`python -c 'while True: pass'`, stopped with SIGSTOP for the calls alone
+  and resumed with SIGCONT, then 0.3 s to settle, for the loaded ones); within each round every
+  implementation runs alone and loaded (the runner's interleaving, no quiet gate),
+  **slowdown** = loaded / alone time within a round, the median over rounds.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ DECODE_HEADS, DECODE_KV_HEADS, DECODE_D = 32, 8, 128
 COPY_BYTES = 256 * 2**20  # the bandwidth anchor: a copy of 256 MiB (read it, write it)
 MILLION = 1_048_576
 SETTLE_S = 0.3  # after resuming the competing process, before a loaded call
+PIN_ENV = "QKV_CPU_PIN"  # "0": the kernel leaves its threads where Linux puts them
+UNPINNED = "cpu, QKV_CPU_PIN=0"
 
 
 # --------------------------------------------------------------------------- cases
@@ -330,19 +333,41 @@ class Competitor:
         self.proc.wait()
 
 
+def unpinned(call: Callable) -> Callable:
+    """`call` with the kernel's thread placement off (`QKV_CPU_PIN=0`, read at every call)."""
+
+    def run(*args: Any) -> Any:
+        before = os.environ.get(PIN_ENV)
+        os.environ[PIN_ENV] = "0"
+        try:
+            return call(*args)
+        finally:
+            if before is None:
+                del os.environ[PIN_ENV]
+            else:
+                os.environ[PIN_ENV] = before
+
+    return run
+
+
 def load_cases(s: Settings) -> list[tuple[str, Any, dict[str, Callable]]]:
     dense_n, window_n = s.load_n
     window = Pattern("sliding", window_n)
+    dense_cpu, window_cpu = cpu_call(), cpu_call(**window.kwargs())
     return [
         (
             "dense fp32",
             Dense("dense", "fp32", dense_n),
-            {"cpu": cpu_call(), "sdpa": F.scaled_dot_product_attention},
+            {
+                "cpu": dense_cpu,
+                UNPINNED: unpinned(dense_cpu),
+                "sdpa": F.scaled_dot_product_attention,
+            },
         ),
         (
             "sliding window fp32",
             window,
-            {"cpu": cpu_call(**window.kwargs()), "sdpa": sparse.sdpa(window)},
+            {"cpu": window_cpu, UNPINNED: unpinned(window_cpu), "sdpa": sparse.sdpa(window)},
         ),
     ]
 

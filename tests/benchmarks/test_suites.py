@@ -4,6 +4,7 @@ arithmetic of the suites' own figures on synthetic results."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -182,3 +183,15 @@ def test_cpu_decode_bandwidth_memory_and_load_figures():
         shown["sliding window fp32, N=16384, fwd under load: `cpu` slowdown ÷ SDPA's"]["passed"]
         is None
     )
+
+
+def test_cpu_load_stage_runs_the_kernel_with_and_without_its_thread_placement(monkeypatch):
+    seen = []
+    call = cpu.unpinned(lambda *args: seen.append(os.environ.get(cpu.PIN_ENV)) or len(args))
+    monkeypatch.delenv(cpu.PIN_ENV, raising=False)
+    assert call(1, 2) == 2 and seen == ["0"] and cpu.PIN_ENV not in os.environ
+    monkeypatch.setenv(cpu.PIN_ENV, "1")
+    call()
+    assert seen[-1] == "0" and os.environ[cpu.PIN_ENV] == "1"
+    for _, _, calls in cpu.load_cases(cpu.QUICK):
+        assert list(calls) == ["cpu", cpu.UNPINNED, "sdpa"]

@@ -4,14 +4,27 @@
   algorithm, compiled once per instruction set by `isa_*.cpp` over `simd_*.h`);
 - `build.py`: builds them once per machine (at first use or with `qkv build`) and loads them;
 - `isa.py`: which instruction-set path runs (`QKV_CPU_ISA`);
-- `layout.py`: what the kernel reads of `qkv.layout`'s block layout (and the PARTIAL tiles' bits).
+- `layout.py`: what the kernel reads of `qkv.layout`'s block layout (and the PARTIAL tiles' bits);
+- `memory.py`: the freed large results it keeps for reuse, and how to give them back.
 
 The backend that uses it is `qkv.kernels.cpu_backend.CpuBackend` (`backend="cpu"`). Importing
 this package builds and loads nothing.
 """
 
-from .build import KernelUnavailable, build_dir, load, status
+from .build import KernelUnavailable, build_dir, load, loaded, status
 from .isa import ISAS
 from .layout import CpuLayout, kernel_layout
+from .memory import cached_result_bytes, release_cached_results
 
-__all__ = ["ISAS", "CpuLayout", "KernelUnavailable", "build_dir", "kernel_layout", "load", "status"]
+__all__ = [
+    "ISAS",
+    "CpuLayout",
+    "KernelUnavailable",
+    "build_dir",
+    "cached_result_bytes",
+    "kernel_layout",
+    "load",
+    "loaded",
+    "release_cached_results",
+    "status",
+]

@@ -32,7 +32,15 @@ import torch
 NAME = "qkv_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_portable.cpp")
-HEADERS = ("problem.h", "kernel.h", "simd_avx512.h", "simd_avx2.h", "simd_portable.h")
+HEADERS = (
+    "placement.h",
+    "problem.h",
+    "results.h",
+    "kernel.h",
+    "simd_avx512.h",
+    "simd_avx2.h",
+    "simd_portable.h",
+)
 # -ffp-contract=off: a product and a sum are fused only where the code says so, so the scores
 # the forward and the backward compute are the same bits. -fopenmp at compile time only: the
 # OpenMP pragma inside at::parallel_for (a header template) is compiled into ops.cpp, and its
@@ -164,6 +172,11 @@ def load(build: bool = True, force: bool = False, verbose: bool = False):
             failed.write_text(_error + "\n")
             raise KernelUnavailable(_error) from err
     _ops = torch.ops.qkv_cpu
+    return _ops
+
+
+def loaded():
+    """`torch.ops.qkv_cpu` if this process has loaded it, else None (builds and loads nothing)."""
     return _ops
 
 

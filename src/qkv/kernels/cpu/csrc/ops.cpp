@@ -3,6 +3,7 @@
 // per call on torch's own thread pool, and the choice of the ISA kernel (kernel.h compiled for
 // AVX-512, AVX2 or the baseline). Nothing here depends on the ISA.
 #include <ATen/Parallel.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -18,10 +19,11 @@
 #include <tuple>
 #include <vector>
 
+#include "placement.h"
 #include "problem.h"
 
 #if defined(__linux__)
-#include <sys/mman.h>
+#include "results.h"
 #endif
 
 namespace qkv_cpu {
@@ -218,6 +220,9 @@ int64_t target_items() { return std::max<int64_t>(16, 4 * (int64_t)at::get_num_t
 // more than it saves there, and under load its end can wait a whole scheduler slice for a
 // descheduled thread.
 constexpr int64_t INLINE_BELOW = int64_t(1) << 23;
+// From this many multiply-adds (about a millisecond on 2 CPUs) the threads are held one per CPU
+// (placement.h): a few system calls per thread, against a 2x loss when Linux stacks them.
+constexpr int64_t PIN_FROM = int64_t(1) << 26;
 
 // Run `work` on every thread of torch's pool (one parallel region); each call pulls items until
 // none is left, so a thread that gets less CPU simply takes fewer items.
@@ -228,7 +233,9 @@ void run_parallel(int64_t macs, const Work& work) {
     work();
     return;
   }
+  Placement place(macs >= PIN_FROM ? nt : 0);
   at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
+    Placement::Pin pin(place);
     for (int64_t t = begin; t < end; ++t) work();
   });
 }
@@ -279,22 +286,34 @@ void zero_untouched(const Problem& P, const at::Tensor& dq, const at::Tensor& dk
   }
 }
 
-// A large result, uninitialised. Its pages are still untouched: on Linux they are marked for
-// transparent huge pages first, so the kernel's first writes fault in 2 MiB pages instead of
-// 4 KiB ones (a fresh 90 MB output costs 28 ms of page faults on one core in 4 KiB pages,
-// 5 ms in huge pages). Only whole 2 MiB pages inside the tensor are marked; memory the
-// allocator reuses is already mapped and the advice changes nothing there.
+// A result, uninitialised. From 8 MiB on Linux its memory comes from results.h: huge pages, and
+// the block of a freed result of the same size when one is kept.
 at::Tensor empty_result(at::IntArrayRef size, const at::TensorOptions& opts) {
-  at::Tensor t = at::empty(size, opts);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t HUGE_PAGE = uintptr_t(2) << 20;
-  const uintptr_t p = (uintptr_t)t.data_ptr(), n = (uintptr_t)t.nbytes();
-  if (n >= 4 * HUGE_PAGE) {
-    const uintptr_t lo = (p + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1), hi = (p + n) & ~(HUGE_PAGE - 1);
-    if (hi > lo) madvise((void*)lo, hi - lo, MADV_HUGEPAGE);  // advice: failure changes nothing
-  }
+#if defined(__linux__)
+  int64_t numel = 1;
+  for (int64_t d : size) numel *= d;
+  if ((size_t)numel * opts.dtype().itemsize() >= ResultMemory::FROM_BYTES)
+    return at::detail::empty_generic(size, &ResultMemory::instance(),
+                                     c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                     opts.dtype().toScalarType(), std::nullopt);
 #endif
-  return t;
+  return at::empty(size, opts);
+}
+
+int64_t release_results() {
+#if defined(__linux__)
+  return ResultMemory::instance().release();
+#else
+  return 0;
+#endif
+}
+
+int64_t kept_result_bytes() {
+#if defined(__linux__)
+  return ResultMemory::instance().kept_bytes();
+#else
+  return 0;
+#endif
 }
 
 // ---------------------------------------------------------------------------- forward plan
@@ -615,4 +634,6 @@ TORCH_LIBRARY(qkv_cpu, m) {
       &qkv_cpu::backward);
   m.def("isa_supported(str isa) -> bool", &qkv_cpu::isa_supported);
   m.def("best_isa() -> str", &qkv_cpu::best_isa);
+  m.def("release_results() -> int", &qkv_cpu::release_results);
+  m.def("kept_result_bytes() -> int", &qkv_cpu::kept_result_bytes);
 }
