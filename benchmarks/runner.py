@@ -2,7 +2,8 @@
 
 Timing (`interleave`): for each case and pass the implementations take turns, round after round,
 in reverse order every other round, so that load from other processes and the order itself hit
-them alike; round 0 is a warm-up, then each implementation is timed in up to `repeats` rounds.
+them alike; round 0 is a warm-up (two calls where outputs are kept for the accuracy check), then
+each implementation is timed in up to `repeats` rounds.
 The quiet gate runs before every timed round, and the CPU pressure (Linux PSI) is recorded during
 every timed call. Memory probes run each call in a fresh process (`benchmarks.probe`). The matmul
 ceiling, when the suite asks for it, is measured before and after the steps; the machine facts,
@@ -84,6 +85,10 @@ def interleave(
     """Seconds per call of every (run, reset) pair, the calls taking turns round after round.
 
     Round 0 is a warm-up (timed apart, as `warmup_s`: a compiling implementation's first call).
+    With `keep_outputs` (each call's output kept until the next call of its implementation
+    returns) the warm-up calls each implementation twice, untimed the second time, so the timed
+    rounds start where a loop `out = f()` settles: one output alive while the next is made (an
+    allocator that reuses freed blocks has one to reuse from the first timed round on).
     Then up to `repeats` timed rounds, odd rounds in the given order, even rounds reversed. With
     `round_budget_s` an implementation sits out the rounds beyond as many as fit in that budget
     by its warm-up time (at least one): `times_s[r]` is None for a round it sat out. A call that
@@ -121,6 +126,9 @@ def interleave(
                 s.output = out
             if r == 0:
                 s.warmup_s = elapsed
+                if keep_outputs:  # the steady state: one output alive while the next is made
+                    reset()
+                    s.output = run()
                 continue
             s.times_s.append(elapsed)
             s.pressure.append(

@@ -9,7 +9,10 @@
   `sdpa_attention_forward` call per chunk (*calls*), `torch.cat`); *qkv packed*:
   `qkv.vision.packed_attention(q, k, v, cu_seqlens)`, one qkv call; *precision high*: the same
   under `torch.set_float32_matmul_precision("high")` (the compiled kernel's float32 scores as one
-  float gemm instead of sums in double). *max |x − golden|*: against
+  float gemm instead of sums in double); *fresh memory*: `qkv packed` after
+  `qkv.kernels.cpu.release_cached_results()`, so its output is mapped afresh instead of reusing
+  the block of a freed one (what every call paid before the kernel kept them; docs/cpu.md).
+  *max |x − golden|*: against
   the float64 per-chunk reference; *eager's*: the same for transformers' eager loop in fp32.
   A Qwen2.5-VL-7B tower runs 28 windowed and 4 full blocks.
 - (b) `qkv.received_attention(q, k)` (column sums of A, bands of query rows) against the forward
@@ -35,6 +38,7 @@ from ..suite import FWD, Group, Impl, Memory, Probe, Suite, Target
 
 LOOP, PACKED = "transformers sdpa loop", "qkv packed"
 PACKED_HIGH = "qkv packed, precision high"
+PACKED_FRESH = "qkv packed, fresh memory"
 TOWER = {"windowed": 28, "full": 4}  # Qwen2.5-VL-7B's 32 vision blocks
 MAX_PIXELS, PATCH = 12845056, 14
 
@@ -117,6 +121,14 @@ def packed_high(q, k, v, cu_seqlens, scaling: float) -> torch.Tensor:
         torch.set_float32_matmul_precision(before)
 
 
+def packed_fresh(q, k, v, cu_seqlens, scaling: float) -> torch.Tensor:
+    """`packed` with no freed result kept to reuse: the output's memory is mapped afresh."""
+    from qkv.kernels.cpu import release_cached_results
+
+    release_cached_results()
+    return packed(q, k, v, cu_seqlens, scaling)
+
+
 class _Module:
     """What transformers' attention functions read from the calling module."""
 
@@ -193,6 +205,7 @@ ENCODER = Group(
         Impl(LOOP, lambda c: transformers_loop("sdpa"), passes=(FWD,)),
         Impl(PACKED, lambda c: packed, passes=(FWD,)),
         Impl(PACKED_HIGH, lambda c: packed_high, passes=(FWD,)),
+        Impl(PACKED_FRESH, lambda c: packed_fresh, passes=(FWD,)),
     ),
     passes=(FWD,),
     anchors=(LOOP,),

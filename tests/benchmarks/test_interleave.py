@@ -94,3 +94,12 @@ def test_pressure_is_the_share_of_each_call_spent_waiting_for_a_cpu():
 def test_outputs_are_kept_only_when_asked(keep: bool):
     series = interleave(calls([], "ab"), 1, clock=clock({"a": 1, "b": 1}), keep_outputs=keep)
     assert series["a"].output == ("a" if keep else None)
+
+
+def test_kept_outputs_warm_up_twice_so_timing_starts_in_the_steady_state():
+    log: list[str] = []
+    series = interleave(calls(log, "ab"), 2, clock=clock({"a": 1.0, "b": 2.0}), keep_outputs=True)
+    # each warm-up call is followed by an untimed second one (its reset first), then the rounds
+    assert log[:8] == ["reset a", "a", "reset a", "a", "reset b", "b", "reset b", "b"]
+    assert "".join(runs(log)) == "aabb" + "ab" + "ba"
+    assert series["a"].warmup_s == 1.0 and series["a"].times_s == [1.0, 1.0]
