@@ -1,5 +1,5 @@
 """The memory the kernel keeps: blocks of freed large results, reused by the next result of the
-same size (`csrc/results.h`; docs/cpu.md, "Memory of results").
+same size (`csrc/results.h`; docs/cpu.md, "What it computes, and how").
 
 The kernel maps each result of 8 MiB or more (the output, dq, dk, dv) on its own, in huge
 pages, and when such a tensor is freed keeps its block (at most 8 blocks, 1 GiB in all) for the
