@@ -345,9 +345,7 @@ static void tile_scores(const Problem& P, int64_t M, const float* q, const doubl
     return;
   }
   if (P.exact_scores) {
-    gemm64(M, BK, P.D, q64, ldq, 1, w.kt64, BK, w.s64, BK);
-    const double scale = P.mods.scale64;
-    for (int64_t x = 0; x < M * BK; ++x) w.s[x] = (float)(w.s64[x] * scale);
+    gemm64(M, BK, P.D, q64, ldq, 1, w.kt64, BK, w.s64, BK, w.s, P.mods.scale64);
   } else {
     gemm(M, BK, P.D, q, ldq, 1, w.kt, BK, w.s, BK);
     const V16 scale = v_set(P.mods.scale);
