@@ -154,6 +154,7 @@ static inline M16 drop_keep(const Drop& d, uint32_t row_hash, const uint32_t* co
 static inline void row_scores(const Mods& md, float slope, int64_t qpos, int64_t c0,
                               uint64_t allowed, const float* s, float* t, float* dfac) {
   const bool cap = md.cap != 0.0f;
+  if (!cap && slope == 0.0f && allowed == ~0ull && s == t) return;  // t = s already
   for (int64_t q = 0; q < 4; ++q) {
     V16 x = v_load(s + 16 * q);
     V16 bias = v_set(0.0f);
