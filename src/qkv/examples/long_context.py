@@ -219,8 +219,13 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
     _init(rank, world, args.timeout)
     code = run_rank(args, rank, world)
     _leave()
-    if code:
-        sys.exit(code)
+    # End the rank without the interpreter's teardown: even after the barrier a gloo worker
+    # thread can still be releasing the last collective's tensors (which takes the GIL), and a
+    # thread torn down inside Py_Finalize aborts the process — seen once more in a CI run on a
+    # loaded machine. The rank has nothing to flush but its standard streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv=None) -> int:
