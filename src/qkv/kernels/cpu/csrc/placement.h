@@ -28,6 +28,7 @@ class Placement {
  public:
   // Decided once per call, on the calling thread, before the parallel region.
   explicit Placement(int64_t nthreads) {
+    if (nthreads < 2) return;  // a call too small to pin: no system call
     const char* env = std::getenv("QKV_CPU_PIN");
     if (env != nullptr && std::strcmp(env, "0") == 0) return;
     CPU_ZERO(&allowed_);
