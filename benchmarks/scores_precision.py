@@ -1,11 +1,13 @@
 """The compiled CPU kernel's error against the error-ratio rule, float32, at torch's two float32
-matmul precisions: "highest" (scores summed in double) and "high" (scores as one float gemm).
+matmul precisions: "highest" (scores in float chains of 16 products summed in double) and "high"
+(scores as one float gemm).
 
 Over random problems (5 shapes up to N = 200, causal on odd seeds, `--seeds` seeds each) it prints
 the worst share of the rule's allowance used by the output and by dq, dk, dv: max|cpu − golden|
 / (f·max|reference − golden| + floor), f = 2 for outputs and 3 for gradients, the floor one
-rounding of the golden's magnitude (the tests' `floor_for`); 1 is the rule's limit. Run:
-`python -m benchmarks.scores_precision [--seeds 60]`.
+rounding of the golden's magnitude (the tests' `floor_for`); 1 is the rule's limit. Then, for two
+larger dense problems (`LARGE`), the output's error as a multiple of the float32 reference's.
+Run: `python -m benchmarks.scores_precision [--seeds 60]`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ SHAPES = [  # (Nq, Nk, D), B = 1, H = 1 or 2
     (5, 70, 16),
     (200, 200, 64),
 ]
+LARGE = [(4096, 64), (2048, 128)]  # (N, D), B = 1, H = 2, dense
 
 
 def floor(gold: torch.Tensor) -> float:
@@ -61,6 +64,20 @@ def worst(precision: str, seeds: int) -> dict[str, float]:
     return out
 
 
+def large_ratios(precision: str) -> dict[str, float]:
+    """max|cpu − golden| / max|reference − golden| of the output for the `LARGE` problems."""
+    torch.set_float32_matmul_precision(precision)
+    out: dict[str, float] = {}
+    for n, d in LARGE:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, n, d, generator=g) for _ in range(3))
+        gold = qkv.attention(q.double(), k.double(), v.double(), backend="reference")
+        ref = (qkv.attention(q, k, v, backend="reference").double() - gold).abs().max().item()
+        cpu = (qkv.attention(q, k, v, backend="cpu").double() - gold).abs().max().item()
+        out[f"N={n} D={d}"] = cpu / ref
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=60)
@@ -71,6 +88,12 @@ def main() -> None:
         for precision in ("highest", "high"):
             w = worst(precision, args.seeds)
             print(f"{precision:8s} " + "  ".join(f"{k} {v:.2f}" for k, v in w.items()))
+        for precision in ("highest", "high"):
+            r = large_ratios(precision)
+            print(
+                f"{precision:8s} output error / the reference's: "
+                + "  ".join(f"{k} {v:.2f}" for k, v in r.items())
+            )
     finally:
         torch.set_float32_matmul_precision(before)
 

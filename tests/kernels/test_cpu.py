@@ -394,7 +394,7 @@ def test_peaked_rows_keep_their_gradient():
 
 
 def test_float32_matmul_precision_high_scores_in_float_within_the_rule():
-    # "highest" (torch's default): scores summed in double; "high": one float gemm. Both pass
+    # "highest" (torch's default): float chains summed in double; "high": one float gemm. Both pass
     # the rule; they differ in the last bits; the backward reads the forward's choice.
     q, k, v = make_qkv(B=1, H=2, Nq=150, D=40, requires_grad=True)
     exact = qkv.attention(q, k, v, backend="cpu")
@@ -408,3 +408,25 @@ def test_float32_matmul_precision_high_scores_in_float_within_the_rule():
     assert not torch.equal(exact, fast)
     ref = qkv.attention(q, k, v, backend="reference")
     assert_error_ratio(fast, ref, golden(q, k, v))
+
+
+def test_precise_scores_carry_a_fraction_of_a_float_sums_rounding():
+    # With one key the lse is the scaled score itself (l = 1), so it shows the scores' error.
+    # "highest": float chains of 16 products summed in double; "high": one float sum over D.
+    # Over D = 256 the chains carry about a quarter of the long sum's rounding error (16 sums of
+    # 16 terms against one of 256); summed in float across chains it would be the long sum's.
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 512, 256, generator=g) * 4
+    k = torch.randn(1, 1, 1, 256, generator=g) * 4
+    v = torch.randn(1, 1, 1, 8, generator=g)
+    exact = (q.double() @ k.double().transpose(-1, -2))[..., 0] / 16.0
+    err = {}
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            _, lse = qkv.attention(q, k, v, backend="cpu", return_lse=True)
+            err[precision] = (lse.double() - exact).abs().max().item()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert err["highest"] < 0.5 * err["high"], err

@@ -175,6 +175,6 @@ class CpuBackend:
         out, lse, _, _ = call(
             q, k, v, plan.mask, seed, None if slopes is None else slopes.to(torch.float32),
             plan.scale, plan.causal, plan.dropout_p, softcap, alibi_after,
-            handle(plan.mask_rule), handle(plan.layout), bq, cpu_op.exact_scores(), isa,
+            handle(plan.mask_rule), handle(plan.layout), bq, cpu_op.precise_scores(), isa,
         )  # fmt: skip
         return out, lse, None

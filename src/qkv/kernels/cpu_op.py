@@ -43,12 +43,12 @@ def _layout(q, k, mask, causal: bool, rule: int, held: int, block_q: int):
 
 
 @torch.compiler.assume_constant_result  # a compiled graph keeps the setting it was traced under
-def exact_scores() -> bool:
-    """Whether float32 scores are summed in double (one rounding each): at torch's default
-    float32 matmul precision, "highest". Under `torch.set_float32_matmul_precision("high")` (or
-    "medium"), which lets torch's own float32 matmuls round more, the scores are one float
-    gemm like torch's kernels: the forward about 20% faster, within the same error rule but
-    with less margin under it (docs/cpu.md, "Accuracy")."""
+def precise_scores() -> bool:
+    """Whether float32 scores are precise: float chains of 16 products summed in double, at
+    torch's default float32 matmul precision, "highest". Under
+    `torch.set_float32_matmul_precision("high")` (or "medium"), which lets torch's own float32
+    matmuls round more, the scores are one float gemm like torch's kernels: a few percent
+    faster, within the same error rule but with less margin under it (docs/cpu.md, "Accuracy")."""
     return torch.get_float32_matmul_precision() == "highest"
 
 
@@ -71,15 +71,16 @@ def forward_impl(
     rule: int,
     held: int,
     block_q: int,
-    exact_scores: bool,
+    precise_scores: bool,
     isa: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out, lse, m, l)`: each row's max m (float32) and denominator l (float64) are what the
-    backward needs. `exact_scores`: float32 scores summed in double (else in float)."""
+    backward needs. `precise_scores`: float32 scores in float chains summed in double (else one
+    float sum)."""
     L = _layout(q, k, mask, causal, rule, held, block_q)
     out, m, l, lse = load().forward(
         q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.q_starts, L.k_starts, L.block_q, scale,
-        slopes, softcap, alibi_after, dropout_p, _seed(seed), exact_scores, isa,
+        slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
     )  # fmt: skip
     return out, lse, m, l
 
@@ -118,7 +119,7 @@ def backward_impl(
     rule: int,
     held: int,
     block_q: int,
-    exact_scores: bool,
+    precise_scores: bool,
     isa: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dq, dk, dv)` of `cpu_forward`'s out and lse."""
@@ -126,7 +127,7 @@ def backward_impl(
     return load().backward(
         dout, dlse, q, k, v, out, m, l, L.row_ptr, L.col_idx, L.code, L.col_ptr, L.row_idx,
         L.code_t, L.bits, L.q_starts, L.k_starts, L.block_q,
-        scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), exact_scores, isa,
+        scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
     )  # fmt: skip
 
 
@@ -140,7 +141,7 @@ def _(dout, dlse, q, k, v, *args):
 
 class CpuAttention(torch.autograd.Function):
     """Autograd around the two ops: `apply(q, k, v, mask, seed, slopes, scale, causal,
-    dropout_p, softcap, alibi_after, rule, held, block_q, exact_scores, isa)` →
+    dropout_p, softcap, alibi_after, rule, held, block_q, precise_scores, isa)` →
     `(out, lse, m, l)`."""
 
     @staticmethod

@@ -8,7 +8,7 @@
 // split of its kept tiles]); its rows are the tile's rows of all G query heads that share the kv
 // head, so each K/V tile is read and packed once per group. Per kept tile:
 //
-//     S = Q Kᵀ · scale           tile_scores: summed in double for float32 inputs
+//     S = Q Kᵀ · scale           tile_scores: float chains of 16 products summed in double (fp32)
 //     t = mods(S)                ALiBi / softcap in float, masked to −inf outside the bits
 //     m' = max(m, rowmax t);  P = exp(t − m');  l = l·α + rowsum P;  α = e^(m − m') in double
 //     acc = acc·α + P V          P V in float chains of 16 keys summed in double, acc in double
@@ -199,11 +199,12 @@ struct Buf {
   uint32_t *rowh, *colh;
   double *l, *alpha, *delta, *inv_l, *acc, *dk64, *dv64;
   double *vt64, *dO64, *dp64;  // backward: Vᵀ, dO and dP in double (dP's sums are exact)
-  double *q64, *kt64, *s64;  // exact scores (float32 inputs): Q, Kᵀ and S in double
+  double* q64;  // decoding's precise scores (float32 inputs): Q in double
   double* pool;  // backward: live dQ tiles
   int64_t pool_cap;
   int32_t *slot_of, *free_slots;
   int64_t slot_cap;
+  int8_t *glo, *ghi;  // forward: the first and last 16-key chunk each group of 16 rows computes
 };
 
 static inline char* carve(char*& cur, int64_t bytes) {
@@ -220,7 +221,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
                             R * BK, R * BK, imax(4 * R, BK) * Dm, P.lay.bq * Dvp + 16, Dm + 16, R, R};
   for (int64_t f : floats) bytes += (f * 4 + 63) & ~int64_t(63);
   bytes += 2 * ((R * 8 + 63) & ~int64_t(63)) + 2 * ((R * 4 + 63) & ~int64_t(63)) + 256;
-  const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, Dp * BK, R * BK};
+  bytes += 2 * ((R + 63) & ~int64_t(63));
+  const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp};
   for (int64_t d : doubles) bytes += (d * 8 + 63) & ~int64_t(63);
   w.base = (char*)aligned_alloc(64, (size_t)((bytes + 63) & ~int64_t(63)));
   if (!w.base) return false;
@@ -254,8 +256,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.dO64 = (double*)carve(cur, R * Dvp * 8);
   w.dp64 = (double*)carve(cur, R * BK * 8);
   w.q64 = (double*)carve(cur, R * Dp * 8);
-  w.kt64 = (double*)carve(cur, Dp * BK * 8);
-  w.s64 = (double*)carve(cur, R * BK * 8);
+  w.glo = (int8_t*)carve(cur, R);
+  w.ghi = (int8_t*)carve(cur, R);
   w.pool = nullptr;
   w.pool_cap = 0;
   w.slot_of = w.free_slots = nullptr;
@@ -316,15 +318,31 @@ static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t
 // the P·V reads next (docs/cpu.md, "Decoding", gives what it changed).
 constexpr int64_t PREFETCH_ROWS = 8;
 
+// s[M × N] (ld BK) = round(q · kt · scale) for N columns of the packed transposed key tile kt
+// (ld BK): every score the same bits whatever M, N and the columns' offset (both gemms promise it)
+static void block_scores(const Problem& P, int64_t M, int64_t N, const float* q, int64_t ldq,
+                         const float* kt, float* s) {
+  if (P.precise_scores) {
+    gemm_chain(M, N, P.D, q, ldq, kt, BK, s, BK, P.mods.scale64);
+    return;
+  }
+  gemm(M, N, P.D, q, ldq, 1, kt, BK, s, BK);
+  const V16 scale = v_set(P.mods.scale);
+  for (int64_t R = 0; R < M; ++R)
+    for (int64_t x = 0; x < N; x += 16) v_store(s + R * BK + x, v_mul(v_load(s + R * BK + x), scale));
+}
+
 // Scores of rows q (float, ldq) against the packed key tile: s = round(q·k · scale). For float32
-// inputs at torch's default matmul precision (P.exact_scores; else one float gemm) the products
-// (exact in double) are summed in double (q64, kt64), so every score
-// carries a single rounding where the float32 reference's carries its dot product's D
-// roundings; for 16-bit inputs, whose outputs round to 16 bits, float sums suffice.
+// inputs at torch's default matmul precision (P.precise_scores; else one float gemm) the
+// products are summed in float chains of CHAIN (16) terms and the chains in double (gemm_chain),
+// so a score carries the roundings of 16-term sums where the float32 reference's carries its
+// whole dot product's D (the same design as P·V's chains); for 16-bit inputs, whose outputs
+// round to 16 bits, float sums suffice.
 //
 // Decoding (Nq·G ≤ 16 rows) takes the dot-product form instead: each score is summed over d in
-// SIMD lanes straight from the key rows `krows` (no transposed tile). Which form runs depends on
-// the problem only, so the forward and the backward still compute the same bits.
+// SIMD lanes straight from the key rows `krows` (no transposed tile; precise: products in
+// double lanes, q64). Which form runs depends on the problem only, so the forward and the
+// backward still compute the same bits.
 static void tile_scores(const Problem& P, int64_t M, const float* q, const double* q64, int64_t ldq,
                         const float* krows, int64_t ldk, int64_t kw, Buf& w,
                         const float* vpre = nullptr, int64_t ldvp = 0) {
@@ -336,7 +354,7 @@ static void tile_scores(const Problem& P, int64_t M, const float* q, const doubl
         for (int64_t x = 0; x < P.D * 4; x += 64) __builtin_prefetch(kn + x);
         for (int64_t x = 0; x < P.Dv * 4; x += 64) __builtin_prefetch(vn + x);
       }
-      if (P.exact_scores)
+      if (P.precise_scores)
         dot_rows64(q64, ldq, M, krows + j * ldk, P.D, w.s + j, BK, P.mods.scale64);
       else
         dot_rows32(q, ldq, M, krows + j * ldk, P.D, w.s + j, BK, P.mods.scale);
@@ -345,19 +363,13 @@ static void tile_scores(const Problem& P, int64_t M, const float* q, const doubl
       for (int64_t j = kw; j < BK; ++j) w.s[R * BK + j] = 0.0f;
     return;
   }
-  if (P.exact_scores) {
-    gemm64(M, BK, P.D, q64, ldq, 1, w.kt64, BK, w.s64, BK, w.s, P.mods.scale64);
-  } else {
-    gemm(M, BK, P.D, q, ldq, 1, w.kt, BK, w.s, BK);
-    const V16 scale = v_set(P.mods.scale);
-    for (int64_t x = 0; x < M * BK; x += 16) v_store(w.s + x, v_mul(v_load(w.s + x), scale));
-  }
+  block_scores(P, M, BK, q, ldq, w.kt, w.s);
 }
 
-// load row n of q (b, h) into q[·] and, for exact scores, q64[·]
+// load row n of q (b, h) into q[·] and, for decoding's precise scores, q64[·]
 static inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t n, float* q, double* q64) {
   load_row(row_of(P.q, P.dtype, b, h, n), P.dtype, P.D, P.Dp, q);
-  if (P.exact_scores)
+  if (P.precise_scores && P.dot_scores)
     for (int64_t d = 0; d < P.Dp; ++d) q64[d] = (double)q[d];
 }
 
@@ -402,6 +414,24 @@ static inline bool tile_v_finite(const Problem& P, const FwdPlan& F, int64_t b, 
   return known == 1;
 }
 
+// The spans of 16-key chunks that the rows of a PARTIAL tile attend, per group of 16 rows, into
+// w.glo / w.ghi (lo > hi: none): the group size, 16, or M when every group spans every chunk
+static int64_t group_spans(const Problem& P, int64_t code, uint64_t edge, int64_t n_chains,
+                           int64_t M, Buf& w) {
+  const Layout& L = P.lay;
+  const uint64_t* bits = L.bits + code * (L.bm * L.hm * L.bq);
+  bool narrow = false;
+  for (int64_t R0 = 0, gi = 0; R0 < M; R0 += 16, ++gi) {
+    uint64_t u = 0;
+    for (int64_t R = R0; R < imin(M, R0 + 16); ++R) u |= bits[w.bitoff[R]];
+    u &= edge;
+    w.glo[gi] = u ? (int8_t)(__builtin_ctzll(u) / 16) : (int8_t)1;
+    w.ghi[gi] = u ? (int8_t)((63 - __builtin_clzll(u)) / 16) : (int8_t)0;
+    narrow = narrow || w.glo[gi] != 0 || w.ghi[gi] != n_chains - 1;
+  }
+  return narrow ? 16 : M;
+}
+
 static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf& w) {
   const Layout& L = P.lay;
   const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, i = it.i;
@@ -429,8 +459,6 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     int64_t ldk = Dp;
     if (!P.dot_scores) {
       pack_k(P, b, hkv, c0, kw, w, false, false);
-      if (P.exact_scores && !P.dot_scores)
-        for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
     } else if (P.dtype == DT_F32) {
       krows = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
       ldk = P.k.sn;
@@ -450,7 +478,23 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
     if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
     const bool stream = P.dot_scores && P.dtype == DT_F32 && vb != w.vr;  // K, V read in place
-    tile_scores(P, M, w.q, w.q64, Dp, krows, ldk, kw, w, stream ? vb : nullptr, ldv);
+    // Rows in groups of 16 (PARTIAL tiles): a group computes only the span of 16-key chunks that
+    // some row of it may attend (the corner of a band or a segment); the other scores are never
+    // read (the bits select −inf there) and the other chunks' P·V terms would be exact zeros.
+    const int64_t n_chains = (kw + 15) / 16;
+    const int64_t gs = code != TILE_FULL && !P.dot_scores ? group_spans(P, code, edge, n_chains, M, w) : M;
+    if (gs == M) {
+      w.glo[0] = 0;
+      w.ghi[0] = (int8_t)(n_chains - 1);
+      tile_scores(P, M, w.q, w.q64, Dp, krows, ldk, kw, w, stream ? vb : nullptr, ldv);
+    } else {
+      for (int64_t R0 = 0; R0 < M; R0 += gs) {
+        const int64_t lo = w.glo[R0 / gs], hi = w.ghi[R0 / gs];
+        if (lo <= hi)
+          block_scores(P, imin(gs, M - R0), 16 * (hi - lo + 1), w.q + R0 * Dp, Dp, w.kt + 16 * lo,
+                       w.s + R0 * BK + 16 * lo);
+      }
+    }
     for (int64_t R = 0; R < M; ++R) {
       float* srow = w.s + R * BK;
       float* prow = w.p + R * BK;
@@ -484,17 +528,23 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
     // P V in four chains of 16 keys, summed in double: a tile adds ≤ 16 float roundings
     const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv);
-    const int64_t n_chains = (kw + 15) / 16;
-    for (int64_t c = 0; c < n_chains; ++c) {
-      const int64_t k0 = 16 * c, kn = imin(16, kw - k0);
-      float* oc = w.o + c * M * Dvp;
-      if (v_finite)
-        gemm(M, Dvp, kn, w.p + k0, BK, 1, vb + k0 * ldv, ldv, oc, Dvp);
-      else
-        gemm_zero_safe(M, Dvp, kn, w.p + k0, BK, 1, vb + k0 * ldv, ldv, oc, Dvp);
+    for (int64_t R0 = 0; R0 < M; R0 += gs) {
+      const int64_t gm = imin(gs, M - R0), lo = w.glo[R0 / gs], hi = w.ghi[R0 / gs];
+      if (lo > hi) continue;  // no row of the group attends here: acc unchanged (α = 1)
+      if (v_finite) {  // the chains' sums go straight into acc, in registers
+        const int64_t k0 = 16 * lo, k1 = imin(kw, 16 * (hi + 1));
+        gemm_chain(gm, Dvp, k1 - k0, w.p + R0 * BK + k0, BK, vb + k0 * ldv, ldv, nullptr, Dvp,
+                   0.0, w.acc + R0 * Dvp, w.alpha + R0);
+        continue;
+      }
+      for (int64_t c = lo; c <= hi; ++c) {
+        const int64_t k0 = 16 * c, kn = imin(16, kw - k0);
+        gemm_zero_safe(gm, Dvp, kn, w.p + R0 * BK + k0, BK, 1, vb + k0 * ldv, ldv,
+                       w.o + c * M * Dvp + R0 * Dvp, Dvp);
+      }
+      for (int64_t R = R0; R < R0 + gm; ++R)
+        acc_chains(w.acc + R * Dvp, w.o + lo * M * Dvp + R * Dvp, M * Dvp, hi - lo + 1, w.alpha[R], Dvp);
     }
-    for (int64_t R = 0; R < M; ++R)
-      acc_chains(w.acc + R * Dvp, w.o + R * Dvp, M * Dvp, n_chains, w.alpha[R], Dvp);
   }
   const int64_t key = (b * P.Hkv + hkv) * L.nqb + i;
   const int32_t nsplit = F.nsplit[key];
@@ -596,8 +646,6 @@ static inline void bwd_pack(const Problem& P, int64_t b, int64_t hkv, int64_t c0
                             Buf& w) {
   pack_k(P, b, hkv, c0, kw, w, true, true);
   pack_v(P, b, hkv, c0, kw, w, true, true);
-  if (P.exact_scores)
-    for (int64_t x = 0; x < P.D * BK; ++x) w.kt64[x] = (double)w.kt[x];
   for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
   if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
 }

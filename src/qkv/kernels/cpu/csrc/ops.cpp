@@ -161,7 +161,7 @@ struct Inputs {
 Inputs inputs_of(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                  double scale, const std::optional<at::Tensor>& slopes, double softcap,
                  bool alibi_after_softcap, double dropout_p, int64_t dropout_seed,
-                 bool exact_scores) {
+                 bool precise_scores) {
   Inputs in;
   TORCH_CHECK(q_.dim() == 4 && k_.dim() == 4 && v_.dim() == 4, "qkv_cpu: q, k, v must be 4-D");
   TORCH_CHECK(q_.device().is_cpu() && k_.device().is_cpu() && v_.device().is_cpu(),
@@ -187,7 +187,7 @@ Inputs inputs_of(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v
   P.Dp = (P.D + 15) / 16 * 16;
   P.Dvp = (P.Dv + 15) / 16 * 16;
   P.dtype = dtype_code(in.q);
-  P.exact_scores = P.dtype == DT_F32 && exact_scores ? 1 : 0;
+  P.precise_scores = P.dtype == DT_F32 && precise_scores ? 1 : 0;
   P.q = view_of(in.q);
   P.k = view_of(in.k);
   P.v = view_of(in.v);
@@ -522,11 +522,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& col_idx, const at::Tensor& tile_code, const at::Tensor& bits,
     const std::optional<at::Tensor>& q_starts, const std::optional<at::Tensor>& k_starts,
     int64_t block_q, double scale, const std::optional<at::Tensor>& slopes, double softcap,
-    bool alibi_after_softcap, double dropout_p, int64_t dropout_seed, bool exact_scores,
+    bool alibi_after_softcap, double dropout_p, int64_t dropout_seed, bool precise_scores,
     const std::string& isa) {
   const Kernels& K = kernels_for(isa);
   Inputs in = inputs_of(q, k, v, scale, slopes, softcap, alibi_after_softcap, dropout_p,
-                        dropout_seed, exact_scores);
+                        dropout_seed, precise_scores);
   Problem& P = in.P;
   P.lay = layout_of(row_ptr, col_idx, tile_code, at::Tensor(), at::Tensor(), at::Tensor(), bits,
                     q_starts, k_starts, block_q, P.Nq, P.Nk, P.B, P.H);
@@ -560,10 +560,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const std::optional<at::Tensor>& q_starts, const std::optional<at::Tensor>& k_starts,
     int64_t block_q, double scale,
     const std::optional<at::Tensor>& slopes, double softcap, bool alibi_after_softcap,
-    double dropout_p, int64_t dropout_seed, bool exact_scores, const std::string& isa) {
+    double dropout_p, int64_t dropout_seed, bool precise_scores, const std::string& isa) {
   const Kernels& K = kernels_for(isa);
   Inputs in = inputs_of(q, k, v, scale, slopes, softcap, alibi_after_softcap, dropout_p,
-                        dropout_seed, exact_scores);
+                        dropout_seed, precise_scores);
   Problem& P = in.P;
   P.lay = layout_of(row_ptr, col_idx, tile_code, col_ptr, row_idx, tile_code_t, bits, q_starts,
                     k_starts, block_q, P.Nq, P.Nk, P.B, P.H);
@@ -622,7 +622,7 @@ TORCH_LIBRARY(qkv_cpu, m) {
       "forward(Tensor q, Tensor k, Tensor v, Tensor row_ptr, Tensor col_idx, Tensor tile_code, "
       "Tensor bits, Tensor? q_starts, Tensor? k_starts, int block_q, float scale, Tensor? slopes, "
       "float softcap, bool alibi_after_softcap, float dropout_p, int dropout_seed, "
-      "bool exact_scores, str isa) "
+      "bool precise_scores, str isa) "
       "-> (Tensor out, Tensor m, Tensor l, Tensor lse)",
       &qkv_cpu::forward);
   m.def(
@@ -630,7 +630,7 @@ TORCH_LIBRARY(qkv_cpu, m) {
       "Tensor l, Tensor row_ptr, Tensor col_idx, Tensor tile_code, Tensor col_ptr, Tensor row_idx, "
       "Tensor tile_code_t, Tensor bits, Tensor? q_starts, Tensor? k_starts, int block_q, "
       "float scale, Tensor? slopes, float softcap, bool alibi_after_softcap, float dropout_p, "
-      "int dropout_seed, bool exact_scores, str isa) -> (Tensor dq, Tensor dk, Tensor dv)",
+      "int dropout_seed, bool precise_scores, str isa) -> (Tensor dq, Tensor dk, Tensor dv)",
       &qkv_cpu::backward);
   m.def("isa_supported(str isa) -> bool", &qkv_cpu::isa_supported);
   m.def("best_isa() -> str", &qkv_cpu::best_isa);

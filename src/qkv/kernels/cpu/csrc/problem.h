@@ -10,6 +10,7 @@ namespace qkv_cpu {
 
 constexpr int64_t BK = 64;          // keys per tile: a tile row's allowed keys are one uint64
 constexpr int32_t TILE_FULL = -1;   // tile code of a FULL tile (no mask arithmetic)
+constexpr int64_t CHAIN = 16;       // products per float chain of a precise score (gemm_chain)
 enum Dtype : int32_t { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 // A (B, H, N, D) tensor: data and element strides of its first three dims (the last is dense).
@@ -62,7 +63,7 @@ struct Problem {
   int64_t B, H, Hkv, G, Nq, Nk, D, Dv;
   int64_t Dp, Dvp;  // D and Dv rounded up to 16: the padded width of packed rows
   int32_t dtype;
-  int32_t exact_scores;  // 1: scores summed in double (float32 inputs), 0: in float
+  int32_t precise_scores;  // 1: float chains of CHAIN products summed in double (float32 inputs), 0: one float sum
   int32_t dot_scores;    // 1: scores as per-key dot products (decoding: Nq·G ≤ 16), 0: gemm
   View q, k, v, out, dout;
   float* m;            // (B, H, Nq) row max of the scores (kernel's own units)

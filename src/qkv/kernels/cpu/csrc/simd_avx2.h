@@ -325,6 +325,63 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
   }
 }
 
+// C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CHAIN
+// fused products from 0, widened to double, added in order, one rounding. One row × 32
+// columns: 8 double sums, 4 float chains, a B vector and a broadcast fit the 16 registers.
+template <int NV>
+static inline void micro_chain(int64_t K, const float* A, const float* B, int64_t ldb, float* C,
+                               double scale, double* D, double alpha) {
+  __m256d acc[2 * NV];
+  for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
+    const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
+    __m256 p[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) p[v] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m256 av = _mm256_set1_ps(A[k]);
+      const float* b = B + k * ldb;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) p[v] = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + 8 * v), p[v]);
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(p[v]));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(p[v], 1));
+      acc[2 * v] = k0 == 0 ? lo : _mm256_add_pd(acc[2 * v], lo);
+      acc[2 * v + 1] = k0 == 0 ? hi : _mm256_add_pd(acc[2 * v + 1], hi);
+    }
+  }
+  if (D != nullptr) {  // D = D·α + sum (acc_chains' arithmetic)
+    const __m256d a = _mm256_set1_pd(alpha);
+#pragma GCC unroll 8
+    for (int v = 0; v < 2 * NV; ++v)
+      _mm256_storeu_pd(D + 4 * v, _mm256_fmadd_pd(_mm256_loadu_pd(D + 4 * v), a, acc[v]));
+    return;
+  }
+  const __m256d sc = _mm256_set1_pd(scale);
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(acc[2 * v], sc));
+    const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(acc[2 * v + 1], sc));
+    _mm256_storeu_ps(C + 8 * v, _mm256_set_m128(hi, lo));
+  }
+}
+
+static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
+                       const float* B, int64_t ldb, float* C, int64_t ldc, double scale,
+                       double* D = nullptr, const double* alpha = nullptr) {
+  for (int64_t n0 = 0; n0 < N; n0 += 32)
+    for (int64_t m = 0; m < M; ++m) {
+      float* c = C ? C + m * ldc + n0 : nullptr;
+      double* d = D ? D + m * ldc + n0 : nullptr;
+      const double al = alpha ? alpha[m] : 0.0;
+      if (N - n0 >= 32)
+        micro_chain<4>(K, A + m * sam, B + n0, ldb, c, scale, d, al);
+      else
+        micro_chain<2>(K, A + m * sam, B + n0, ldb, c, scale, d, al);
+    }
+}
+
 static inline void acc_chains(double* acc, const float* x, int64_t stride, int64_t n_chains,
                               double alpha, int64_t n) {
   const __m256d a = _mm256_set1_pd(alpha);

@@ -326,6 +326,96 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
   }
 }
 
+// C = float(scale · Σ_c chain_c) for C[M×N] = A[M×K]·B[K×N], A read as A[m·sam + k], N a
+// multiple of 16: chain c is the sequential fused sum, from 0, of the products k = 16c … 16c+15
+// (as gemm forms it), widened exactly to double; the chains are added in order in double and the
+// sum rounded once. The same (m, n) gets the same bits from any call. Two rows × 64 columns:
+// 16 double sums, 8 float chains, 4 B vectors and a broadcast fit the 32 registers.
+template <int MR, int NV>
+static inline void micro_chain(int64_t K, const float* A, int64_t sam, const float* B, int64_t ldb,
+                               float* C, int64_t ldc, double scale, double* D, const double* alpha) {
+  __m512d acc[MR][2 * NV];
+  for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
+    const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
+    __m512 p[MR][NV];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) p[m][v] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const float* b = B + k * ldb;
+      __m512 bv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512 av = _mm512_set1_ps(A[m * sam + k]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) p[m][v] = _mm512_fmadd_ps(av, bv[v], p[m][v]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(p[m][v]));
+        const __m512d hi = _mm512_cvtps_pd(
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p[m][v]), 1)));
+        acc[m][2 * v] = k0 == 0 ? lo : _mm512_add_pd(acc[m][2 * v], lo);
+        acc[m][2 * v + 1] = k0 == 0 ? hi : _mm512_add_pd(acc[m][2 * v + 1], hi);
+      }
+  }
+  if (D != nullptr) {  // D = D·α + sum, row by row (acc_chains' arithmetic)
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m512d am = _mm512_set1_pd(alpha[m]);
+#pragma GCC unroll 4
+      for (int v = 0; v < 2 * NV; ++v) {
+        double* d = D + m * ldc + 8 * v;
+        _mm512_storeu_pd(d, _mm512_fmadd_pd(_mm512_loadu_pd(d), am, acc[m][v]));
+      }
+    }
+    return;
+  }
+  const __m512d sc = _mm512_set1_pd(scale);
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m256 lo = _mm512_cvtpd_ps(_mm512_mul_pd(acc[m][2 * v], sc));
+      const __m256 hi = _mm512_cvtpd_ps(_mm512_mul_pd(acc[m][2 * v + 1], sc));
+      _mm512_storeu_ps(C + m * ldc + 16 * v,
+                       _mm512_castpd_ps(_mm512_insertf64x4(
+                           _mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1)));
+    }
+}
+
+// With D (double, same ldc) instead of C: D = D·alpha[m] + the chains' double sum, row m.
+static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
+                       const float* B, int64_t ldb, float* C, int64_t ldc, double scale,
+                       double* D = nullptr, const double* alpha = nullptr) {
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    const bool wide = N - n0 >= 32;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const float* a = A + m0 * sam;
+      float* c = C ? C + m0 * ldc + n0 : nullptr;
+      double* d = D ? D + m0 * ldc + n0 : nullptr;
+      const double* al = alpha ? alpha + m0 : nullptr;
+      const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+#define QKV_MC(MRR)                                                               \
+  if (wide) micro_chain<MRR, 2>(K, a, sam, B + n0, ldb, c, ldc, scale, d, al);    \
+  else micro_chain<MRR, 1>(K, a, sam, B + n0, ldb, c, ldc, scale, d, al);
+      switch (mr) {
+        case 1: QKV_MC(1) break;
+        case 2: QKV_MC(2) break;
+        case 3: QKV_MC(3) break;
+        default: QKV_MC(4) break;
+      }
+#undef QKV_MC
+    }
+  }
+}
+
 // acc[0..n) = acc·alpha + Σ_c x[c·stride + i] for n_chains ≤ 4 float partials, in double
 static inline void acc_chains(double* acc, const float* x, int64_t stride, int64_t n_chains,
                               double alpha, int64_t n) {

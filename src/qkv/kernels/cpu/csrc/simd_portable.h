@@ -178,6 +178,35 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
   }
 }
 
+// C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CHAIN
+// products (madd, from 0), widened to double, added in order, one rounding.
+static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
+                       const float* B, int64_t ldb, float* C, int64_t ldc, double scale,
+                       double* D = nullptr, const double* alpha = nullptr) {
+  double acc[64];
+  float p[64];
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const int64_t nn = N - n0 < 64 ? N - n0 : 64;
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
+        const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
+        for (int64_t n = 0; n < nn; ++n) p[n] = 0.0f;
+        for (int64_t k = k0; k < k1; ++k) {
+          const float a = A[m * sam + k];
+          const float* b = B + k * ldb + n0;
+          for (int64_t n = 0; n < nn; ++n) p[n] = madd(a, b[n], p[n]);
+        }
+        for (int64_t n = 0; n < nn; ++n) acc[n] = k0 == 0 ? (double)p[n] : acc[n] + (double)p[n];
+      }
+      if (D != nullptr) {  // D = D·α + sum (acc_chains' arithmetic)
+        for (int64_t n = 0; n < nn; ++n) D[m * ldc + n0 + n] = D[m * ldc + n0 + n] * alpha[m] + acc[n];
+      } else {
+        for (int64_t n = 0; n < nn; ++n) C[m * ldc + n0 + n] = (float)(acc[n] * scale);
+      }
+    }
+  }
+}
+
 static inline void acc_chains(double* acc, const float* x, int64_t stride, int64_t n_chains,
                               double alpha, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
