@@ -316,7 +316,7 @@ static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t
 // Decoding (float32, K and V read in place) streams each K/V row once with little work per
 // byte; the scores' loop asks for K rows this far ahead and for the V row of the same key, which
 // the P·V reads next (docs/cpu.md, "Decoding", gives what it changed).
-constexpr int64_t PREFETCH_ROWS = 8;
+constexpr int64_t PREFETCH_ROWS = 48;
 
 // s[M × N] (ld BK) = round(q · kt · scale) for N columns of the packed transposed key tile kt
 // (ld BK): every score the same bits whatever M, N and the columns' offset (both gemms promise it)
