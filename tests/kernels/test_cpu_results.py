@@ -86,3 +86,21 @@ def test_a_result_can_be_resized_and_freed_like_any_tensor():
     del out
     release_cached_results()
     assert cached_result_bytes() == 0
+
+
+@pytest.mark.parametrize("dv", [64, 72])
+def test_a_large_output_written_past_the_caches_has_the_bits_of_a_small_one(dv):
+    # float32 outputs of 8 MiB or more whose rows are whole 16-float vectors are written with
+    # non-temporal stores; heads are independent, so the first half of the heads, an output
+    # half that size (written as usual), must hold the very same bits. Dv = 72: the usual path.
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 32, 1024, 64, generator=g) for _ in range(2))
+    v = torch.randn(1, 32, 1024, dv, generator=g)
+    with torch.no_grad():
+        whole, lse = qkv.attention(q, k, v, mask=_mask(), backend="cpu", return_lse=True)
+        half, lse_half = qkv.attention(
+            q[:, :16], k[:, :16], v[:, :16], mask=_mask(), backend="cpu", return_lse=True
+        )
+    assert whole.nbytes >= 8 * MIB > half.nbytes
+    assert torch.equal(whole[:, :16], half)
+    assert torch.equal(lse[:, :16], lse_half)

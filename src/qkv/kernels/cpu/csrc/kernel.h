@@ -396,7 +396,12 @@ static void finish_rows(const Problem& P, int64_t b, int64_t hkv, int64_t r0, in
         P.l[idx] = lr;
         P.lse[idx] = (float)((double)mrow[R] + __builtin_log(lr));
       }
-      store_row((void*)row_of(P.out, P.dtype, b, h, r0 + r), P.dtype, tmp, P.Dv);
+      void* dst = (void*)row_of(P.out, P.dtype, b, h, r0 + r);
+      if (P.stream_out && (uintptr_t)dst % STREAM_ALIGN == 0) {
+        for (int64_t d = 0; d < P.Dv; d += 16) v_stream((float*)dst + d, v_load(tmp + d));
+      } else {
+        store_row(dst, P.dtype, tmp, P.Dv);
+      }
     }
   }
 }
@@ -596,6 +601,7 @@ static void forward_worker(const Problem& P, const FwdPlan& F, int64_t* next, in
     if (k >= F.n_items) break;
     fwd_item(P, F, F.items[k], w);
   }
+  if (P.stream_out) stream_fence();  // the output's non-temporal stores, before the call returns
   buf_free(w);
 }
 

@@ -537,6 +537,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   at::Tensor l = at::empty({P.B, P.H, P.Nq}, opts.dtype(at::kDouble));
   at::Tensor lse = at::empty({P.B, P.H, P.Nq}, opts.dtype(at::kFloat));
   P.out = view_of(out);
+  // A large output is written once and not read by this call: its rows skip the caches (no
+  // read-for-ownership of lines that are about to be overwritten whole)
+  P.stream_out = P.dtype == DT_F32 && P.Dv % 16 == 0 &&
+                 (size_t)out.numel() * 4 >= ResultMemory::FROM_BYTES;
   P.m = m.data_ptr<float>();
   P.l = l.data_ptr<double>();
   P.lse = lse.data_ptr<float>();

@@ -65,6 +65,7 @@ struct Problem {
   int32_t dtype;
   int32_t precise_scores;  // 1: float chains of CHAIN products summed in double (float32 inputs), 0: one float sum
   int32_t dot_scores;    // 1: scores as per-key dot products (decoding: Nq·G ≤ 16), 0: gemm
+  int32_t stream_out;    // 1: output rows written with non-temporal stores (large float32 out)
   View q, k, v, out, dout;
   float* m;            // (B, H, Nq) row max of the scores (kernel's own units)
   double* l;           // (B, H, Nq) softmax denominator, relative to m

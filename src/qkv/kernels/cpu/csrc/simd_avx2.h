@@ -14,6 +14,13 @@ static inline void v_store(float* p, V16 x) {
   _mm256_storeu_ps(p, x.a);
   _mm256_storeu_ps(p + 8, x.b);
 }
+// a non-temporal store of 16 floats to a 32-byte aligned p; stream_fence() orders them
+static inline void v_stream(float* p, V16 x) {
+  _mm256_stream_ps(p, x.a);
+  _mm256_stream_ps(p + 8, x.b);
+}
+static inline void stream_fence() { _mm_sfence(); }
+static constexpr int64_t STREAM_ALIGN = 32;
 static inline V16 v_set(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
 static inline V16 v_add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 static inline V16 v_sub(V16 x, V16 y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }

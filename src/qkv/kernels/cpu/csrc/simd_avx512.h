@@ -15,6 +15,10 @@ struct U16 { __m512i v; };
 static inline float madd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 static inline V16 v_load(const float* p) { return {_mm512_loadu_ps(p)}; }
 static inline void v_store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+// a non-temporal store of 16 floats to a 64-byte aligned p; stream_fence() orders them
+static inline void v_stream(float* p, V16 a) { _mm512_stream_ps(p, a.v); }
+static inline void stream_fence() { _mm_sfence(); }
+static constexpr int64_t STREAM_ALIGN = 64;
 static inline V16 v_set(float s) { return {_mm512_set1_ps(s)}; }
 static inline V16 v_add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 static inline V16 v_sub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }

@@ -15,6 +15,9 @@ struct U16 { uint32_t x[16]; };
 static inline float madd(float a, float b, float c) { return a * b + c; }
 static inline V16 v_load(const float* p) { V16 r; QKV_LANES r.x[i] = p[i]; return r; }
 static inline void v_store(float* p, V16 a) { QKV_LANES p[i] = a.x[i]; }
+static inline void v_stream(float* p, V16 a) { v_store(p, a); }  // no non-temporal stores here
+static inline void stream_fence() {}
+static constexpr int64_t STREAM_ALIGN = 4;
 static inline V16 v_set(float s) { V16 r; QKV_LANES r.x[i] = s; return r; }
 static inline V16 v_add(V16 a, V16 b) { V16 r; QKV_LANES r.x[i] = a.x[i] + b.x[i]; return r; }
 static inline V16 v_sub(V16 a, V16 b) { V16 r; QKV_LANES r.x[i] = a.x[i] - b.x[i]; return r; }
