@@ -286,6 +286,9 @@ void zero_untouched(const Problem& P, const at::Tensor& dq, const at::Tensor& dk
   }
 }
 
+// A float32 output at least this large is written with non-temporal stores (any platform)
+constexpr size_t STREAM_FROM_BYTES = size_t(8) << 20;
+
 // A result, uninitialised. From 8 MiB on Linux its memory comes from results.h: huge pages, and
 // the block of a freed result of the same size when one is kept.
 at::Tensor empty_result(at::IntArrayRef size, const at::TensorOptions& opts) {
@@ -540,7 +543,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   // A large output is written once and not read by this call: its rows skip the caches (no
   // read-for-ownership of lines that are about to be overwritten whole)
   P.stream_out = P.dtype == DT_F32 && P.Dv % 16 == 0 &&
-                 (size_t)out.numel() * 4 >= ResultMemory::FROM_BYTES;
+                 (size_t)out.numel() * 4 >= STREAM_FROM_BYTES;
   P.m = m.data_ptr<float>();
   P.l = l.data_ptr<double>();
   P.lse = lse.data_ptr<float>();

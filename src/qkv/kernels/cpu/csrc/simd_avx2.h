@@ -276,7 +276,7 @@ static inline V16 v_dsub(const double* x, double mul, double s, M16 keep) {
 
 template <int MR, int NV>
 static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak, const double* B,
-                           int64_t ldb, double* C, int64_t ldc, float* Cf, double scale) {
+                           int64_t ldb, double* C, int64_t ldc) {
   __m256d c[MR][NV];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -295,15 +295,6 @@ static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak,
       for (int v = 0; v < NV; ++v) c[m][v] = _mm256_fmadd_pd(av, bv[v], c[m][v]);
     }
   }
-  if (Cf != nullptr) {
-    const __m256d sc = _mm256_set1_pd(scale);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v)
-        _mm_storeu_ps(Cf + m * ldc + 4 * v, _mm256_cvtpd_ps(_mm256_mul_pd(c[m][v], sc)));
-    return;
-  }
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -311,22 +302,20 @@ static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak,
 }
 
 static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam, int64_t sak,
-                   const double* B, int64_t ldb, double* C, int64_t ldc, float* Cf = nullptr,
-                   double scale = 1.0) {
+                   const double* B, int64_t ldb, double* C, int64_t ldc) {
   for (int64_t n0 = 0; n0 < N; n0 += 8) {
     for (int64_t m0 = 0; m0 < M; m0 += 6) {
       const int64_t mr = M - m0 < 6 ? M - m0 : 6;
       const double* a = A + m0 * sam;
       const double* b = B + n0;
       double* c = C + m0 * ldc + n0;
-      float* cf = Cf ? Cf + m0 * ldc + n0 : nullptr;
       switch (mr) {
-        case 1: micro64<1, 2>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;
-        case 2: micro64<2, 2>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;
-        case 3: micro64<3, 2>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;
-        case 4: micro64<4, 2>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;
-        case 5: micro64<5, 2>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;
-        default: micro64<6, 2>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;
+        case 1: micro64<1, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 2: micro64<2, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 3: micro64<3, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 4: micro64<4, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        case 5: micro64<5, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
+        default: micro64<6, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
       }
     }
   }

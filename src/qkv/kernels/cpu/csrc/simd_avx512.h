@@ -261,11 +261,10 @@ static inline V16 v_dsub(const double* x, double mul, double s, M16 keep) {
 }
 
 // C[M×N] = A[M×K] · B[K×N] in double, N a multiple of 8; conventions of gemm. Used where fp32
-// products must be summed without rounding (products of floats are exact in double). With Cf,
-// float(C·scale) goes to Cf (same ldc) instead, C untouched: the scores, in one pass.
+// products must be summed without rounding (products of floats are exact in double).
 template <int MR, int NV>
 static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak, const double* B,
-                           int64_t ldb, double* C, int64_t ldc, float* Cf, double scale) {
+                           int64_t ldb, double* C, int64_t ldc) {
   __m512d c[MR][NV];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -284,15 +283,6 @@ static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak,
       for (int v = 0; v < NV; ++v) c[m][v] = _mm512_fmadd_pd(av, bv[v], c[m][v]);
     }
   }
-  if (Cf != nullptr) {
-    const __m512d sc = _mm512_set1_pd(scale);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v)
-        _mm256_storeu_ps(Cf + m * ldc + 8 * v, _mm512_cvtpd_ps(_mm512_mul_pd(c[m][v], sc)));
-    return;
-  }
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -300,24 +290,22 @@ static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak,
 }
 
 static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam, int64_t sak,
-                   const double* B, int64_t ldb, double* C, int64_t ldc, float* Cf = nullptr,
-                   double scale = 1.0) {
+                   const double* B, int64_t ldb, double* C, int64_t ldc) {
   for (int64_t n0 = 0; n0 < N; n0 += 32) {
     const int64_t nv = (N - n0) / 8 < 4 ? (N - n0) / 8 : 4;
     for (int64_t m0 = 0; m0 < M; m0 += 6) {
       const int64_t mr = M - m0 < 6 ? M - m0 : 6;
       const double* a = A + m0 * sam;
       double* c = C + m0 * ldc + n0;
-      float* cf = Cf ? Cf + m0 * ldc + n0 : nullptr;
       const double* b = B + n0;
 #define QKV_M64(NVV)                                                   \
   switch (mr) {                                                        \
-    case 1: micro64<1, NVV>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;   \
-    case 2: micro64<2, NVV>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;   \
-    case 3: micro64<3, NVV>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;   \
-    case 4: micro64<4, NVV>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;   \
-    case 5: micro64<5, NVV>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break;   \
-    default: micro64<6, NVV>(K, a, sam, sak, b, ldb, c, ldc, cf, scale); break; \
+    case 1: micro64<1, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    case 2: micro64<2, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    case 3: micro64<3, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    case 4: micro64<4, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    case 5: micro64<5, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
+    default: micro64<6, NVV>(K, a, sam, sak, b, ldb, c, ldc); break; \
   }
       switch (nv) {
         case 1: QKV_M64(1) break;

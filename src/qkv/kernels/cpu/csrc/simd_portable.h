@@ -166,8 +166,7 @@ static inline V16 v_dsub(const double* x, double mul, double s, M16 keep) {
 }
 
 static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam, int64_t sak,
-                   const double* B, int64_t ldb, double* C, int64_t ldc, float* Cf = nullptr,
-                   double scale = 1.0) {
+                   const double* B, int64_t ldb, double* C, int64_t ldc) {
   for (int64_t m = 0; m < M; ++m) {
     double* c = C + m * ldc;
     for (int64_t n = 0; n < N; ++n) c[n] = 0.0;
@@ -176,8 +175,6 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
       const double* b = B + k * ldb;
       for (int64_t n = 0; n < N; ++n) c[n] = c[n] + a * b[n];
     }
-    if (Cf != nullptr)
-      for (int64_t n = 0; n < N; ++n) Cf[m * ldc + n] = (float)(c[n] * scale);
   }
 }
 
