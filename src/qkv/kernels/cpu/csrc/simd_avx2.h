@@ -322,59 +322,87 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
 }
 
 // C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CHAIN
-// fused products from 0, widened to double, added in order, one rounding. One row × 32
-// columns: 8 double sums, 4 float chains, a B vector and a broadcast fit the 16 registers.
-template <int NV>
-static inline void micro_chain(int64_t K, const float* A, const float* B, int64_t ldb, float* C,
-                               double scale, double* D, double alpha) {
-  __m256d acc[2 * NV];
+// fused products from 0, widened to double, added in order, one rounding. MR rows × 16
+// columns: 2·MR float chains (12 for MR = 6, enough to cover the FMA latency of two pipes),
+// two B vectors and a broadcast in the 16 registers; the double sums of the block live in a
+// small array in L1 between chains. With D: D = D·α + Σ_c chain_c (acc_chains' arithmetic).
+template <int MR>
+static inline void micro_chain(int64_t K, const float* A, int64_t sam, const float* B, int64_t ldb,
+                               float* C, int64_t ldc, double scale, double* D, const double* alpha) {
+  alignas(32) double t[MR][16];
   for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
     const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
-    __m256 p[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) p[v] = _mm256_setzero_ps();
-    for (int64_t k = k0; k < k1; ++k) {
-      const __m256 av = _mm256_set1_ps(A[k]);
-      const float* b = B + k * ldb;
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) p[v] = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + 8 * v), p[v]);
-    }
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(p[v]));
-      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(p[v], 1));
-      acc[2 * v] = k0 == 0 ? lo : _mm256_add_pd(acc[2 * v], lo);
-      acc[2 * v + 1] = k0 == 0 ? hi : _mm256_add_pd(acc[2 * v + 1], hi);
-    }
-  }
-  if (D != nullptr) {  // D = D·α + sum (acc_chains' arithmetic)
-    const __m256d a = _mm256_set1_pd(alpha);
+    __m256 p[MR][2];
 #pragma GCC unroll 8
-    for (int v = 0; v < 2 * NV; ++v)
-      _mm256_storeu_pd(D + 4 * v, _mm256_fmadd_pd(_mm256_loadu_pd(D + 4 * v), a, acc[v]));
+    for (int m = 0; m < MR; ++m) p[m][0] = p[m][1] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const float* b = B + k * ldb;
+      const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 av = _mm256_broadcast_ss(A + m * sam + k);
+        p[m][0] = _mm256_fmadd_ps(av, b0, p[m][0]);
+        p[m][1] = _mm256_fmadd_ps(av, b1, p[m][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) {
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(p[m][v]));
+        const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(p[m][v], 1));
+        double* tv = t[m] + 8 * v;
+        if (k0 == 0) {
+          _mm256_store_pd(tv, lo);
+          _mm256_store_pd(tv + 4, hi);
+        } else {
+          _mm256_store_pd(tv, _mm256_add_pd(_mm256_load_pd(tv), lo));
+          _mm256_store_pd(tv + 4, _mm256_add_pd(_mm256_load_pd(tv + 4), hi));
+        }
+      }
+  }
+  if (D != nullptr) {
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256d a = _mm256_set1_pd(alpha[m]);
+      double* d = D + m * ldc;
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v)
+        _mm256_storeu_pd(d + 4 * v, _mm256_fmadd_pd(_mm256_loadu_pd(d + 4 * v), a, _mm256_load_pd(t[m] + 4 * v)));
+    }
     return;
   }
   const __m256d sc = _mm256_set1_pd(scale);
-#pragma GCC unroll 4
-  for (int v = 0; v < NV; ++v) {
-    const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(acc[2 * v], sc));
-    const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(acc[2 * v + 1], sc));
-    _mm256_storeu_ps(C + 8 * v, _mm256_set_m128(hi, lo));
-  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_load_pd(t[m] + 8 * v), sc));
+      const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_load_pd(t[m] + 8 * v + 4), sc));
+      _mm256_storeu_ps(C + m * ldc + 8 * v, _mm256_set_m128(hi, lo));
+    }
 }
 
+// N a multiple of 16 (callers pass 16-key spans, BK or Dvp)
 static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
                        const float* B, int64_t ldb, float* C, int64_t ldc, double scale,
                        double* D = nullptr, const double* alpha = nullptr) {
-  for (int64_t n0 = 0; n0 < N; n0 += 32)
-    for (int64_t m = 0; m < M; ++m) {
-      float* c = C ? C + m * ldc + n0 : nullptr;
-      double* d = D ? D + m * ldc + n0 : nullptr;
-      const double al = alpha ? alpha[m] : 0.0;
-      if (N - n0 >= 32)
-        micro_chain<4>(K, A + m * sam, B + n0, ldb, c, scale, d, al);
-      else
-        micro_chain<2>(K, A + m * sam, B + n0, ldb, c, scale, d, al);
+  for (int64_t n0 = 0; n0 < N; n0 += 16)
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
+      const float* a = A + m0 * sam;
+      const float* b = B + n0;
+      float* c = C ? C + m0 * ldc + n0 : nullptr;
+      double* d = D ? D + m0 * ldc + n0 : nullptr;
+      const double* al = alpha ? alpha + m0 : nullptr;
+      switch (mr) {
+        case 1: micro_chain<1>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
+        case 2: micro_chain<2>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
+        case 3: micro_chain<3>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
+        case 4: micro_chain<4>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
+        case 5: micro_chain<5>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
+        default: micro_chain<6>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
+      }
     }
 }
 
