@@ -327,7 +327,7 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
 // two B vectors and a broadcast in the 16 registers; the double sums of the block live in a
 // small array in L1 between chains. With D: D = D·α + Σ_c chain_c (acc_chains' arithmetic).
 template <int MR>
-static inline void micro_chain(int64_t K, const float* A, int64_t sam, const float* B, int64_t ldb,
+__attribute__((noinline)) static void micro_chain(int64_t K, const float* A, int64_t sam, const float* B, int64_t ldb,
                                float* C, int64_t ldc, double scale, double* D, const double* alpha) {
   alignas(32) double t[MR][16];
   for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
@@ -335,6 +335,7 @@ static inline void micro_chain(int64_t K, const float* A, int64_t sam, const flo
     __m256 p[MR][2];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) p[m][0] = p[m][1] = _mm256_setzero_ps();
+#pragma GCC unroll 8
     for (int64_t k = k0; k < k1; ++k) {
       const float* b = B + k * ldb;
       const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
