@@ -731,18 +731,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
           bwd_row(P, b, h, r0, r, w);
-          // Δ: from the row pass where it ran (delta_item), else dO·O summed exactly as gemm64
-          // sums dO·V (a row whose only key has P = 1, O = V, gets dP − Δ = 0 exactly either way)
-          if (P.delta && P.delta[idx] == P.delta[idx]) {
-            w.delta[r] = P.delta[idx];
-            continue;
-          }
-          const double* dor64 = w.dO64 + r * P.Dv;
-          load_row(row_of(P.out, P.dtype, b, h, r0 + r), P.dtype, P.Dv, Dvp, w.tmp);
-          double delta = 0.0;
-          for (int64_t d = 0; d < P.Dv; ++d) delta = delta + dor64[d] * (double)w.tmp[d];
-          if (P.dlse) delta -= (double)P.dlse[idx];
-          w.delta[r] = delta;
+          w.delta[r] = P.delta[idx];  // the row pass's Δ (delta_item)
         }
         tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
         gemm64(nr, BK, P.Dv, w.dO64, P.Dv, 1, w.vt64, BK, w.dp64, BK);
@@ -805,7 +794,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   return true;
 }
 
-// The backward's row pass, for query tiles holding a peaked row: Δ_i = Σ_j P_ij dP̃_ij / Σ_j P_ij
+// The backward's row pass, Δ of every row once. For query tiles holding a peaked row: Δ_i = Σ_j P_ij dP̃_ij / Σ_j P_ij
 // − dlse_i over the kept tiles of query tile i, where P and dP̃ (dP, dropped and rescaled) are
 // computed exactly as bwd_item computes them (same packing, same instructions: the same bits).
 // dS = P ∘ (dP̃ − Δ) then sums to zero over each row up to the rounding of P, as the softmax's
@@ -813,7 +802,8 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
 // the forward's P, which are not the backward's bits); dP̃_j − Δ is of the order of
 // (1 − max_j P_ij)·|dP̃|, so that rounding is amplified by 1 / (1 − max P): harmless while the
 // largest weight 1/l is at most PEAKED, all of a peaked row's gradient beyond it. Rows of the
-// other tiles get NaN here: bwd_item then takes Δ = dO·O (no second pass over their tiles).
+// other tiles get Δ = dO·O − dlse (no pass over their tiles), once here rather than once per
+// key column in bwd_item.
 static const double PEAKED = 0.5;
 
 static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf& w) {
@@ -825,10 +815,17 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
       const double lr = P.l[(b * P.H + hkv * G + g) * P.Nq + r0 + r];
       peaked = lr > 0.0 && lr * PEAKED < 1.0;  // largest weight 1/l > PEAKED
     }
-  if (!peaked) {
+  if (!peaked) {  // Δ = dO·O − dlse, the products exact in double, summed in order
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t r = 0; r < nr; ++r)
-        P.delta[(b * P.H + hkv * G + g) * P.Nq + r0 + r] = __builtin_nan("");
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t h = hkv * G + g, idx = (b * P.H + h) * P.Nq + r0 + r;
+        load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, w.dO);
+        load_row(row_of(P.out, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, w.tmp);
+        double delta = 0.0;
+        for (int64_t d = 0; d < P.Dv; ++d) delta = delta + (double)w.dO[d] * (double)w.tmp[d];
+        if (P.dlse) delta -= (double)P.dlse[idx];
+        P.delta[idx] = delta;
+      }
     return;
   }
   const int64_t Dp = P.Dp, code_stride = L.bm * L.hm * bq;
