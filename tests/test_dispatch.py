@@ -125,3 +125,27 @@ def test_auto_result_equals_chosen_backend(qkv3):
         )
         for x, y in pairs:
             torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_without_avx512_plain_forwards_go_to_sdpa(isa, monkeypatch):
+    # Where the kernel's forward was measured slower than SDPA's (no AVX-512: avx2 or portable
+    # path), auto hands SDPA the plain forward requests it would take; gradients, decoding and
+    # structured masks stay on the kernel.
+    if cpu_kernel_or("") != "cpu":
+        pytest.skip("the compiled CPU kernel is not available here")
+    from qkv.kernels import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "kernel_status", lambda: (isa, None))
+    fast = isa == "avx512"
+    q, k, v = make_qkv(B=1, H=2, Nq=256, D=16)
+    d = qkv.dispatch(q, k, v)
+    assert d.name == ("cpu" if fast else "sdpa")
+    if not fast:
+        assert f"its {isa} path" in d.reasons["cpu"]
+    assert qkv.dispatch(q, k, v, causal=True, finite_inputs=True).name == d.name
+    qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    assert qkv.dispatch(qb, kb, vb).name == "cpu"  # gradients
+    qd, kd, vd = make_qkv(B=1, H=2, Nq=1, Nk=65536, D=16)
+    assert qkv.dispatch(qd, kd, vd).name == "cpu"  # decoding
+    assert qkv.dispatch(q, k, v, mask=qkv.masks.sliding_window(8)).name == "cpu"

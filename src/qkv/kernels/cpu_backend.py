@@ -45,6 +45,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # float32 from about 200×200 (the backward's crossover; the forward's is ~64×64), 16-bit from
 # about 32×32.
 SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.float16: 32 * 32}
+# Without AVX-512 (the kernel's avx2 and portable paths) torch SDPA's forward is the faster one
+# on plain dense and causal requests: `python -m benchmarks.run cpu` on an AMD EPYC (Zen 3,
+# AVX2), 2 cores, measured the kernel at 0.74× SDPA (fp32, N = 4096) where AVX-512 (Zen 5) gave
+# 1.65×; its forward + backward and its decoding stay ahead. Decoding: Nq·G ≤ DECODE_ROWS.
+FORWARD_FAST_ISAS = ("avx512",)
+DECODE_ROWS = 16
 
 
 def default_block_q(groups: int, masked: bool) -> int:
@@ -136,16 +142,28 @@ class CpuBackend:
 
     def auto_skip(self, plan: AttentionPlan) -> str | None:
         """Why `auto` lets the next backend run a request this one could (None: it doesn't):
-        tiny problems that `auto` would hand torch SDPA are faster there (not those SDPA
-        refuses or `auto` keeps from it, such as float32 gradients: the next backend would then
-        be `tiled`, slower than this kernel at every size)."""
-        limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
-        if plan.q_len * plan.kv_len >= limit:
+        of the requests that `auto` would hand torch SDPA (not those SDPA refuses or `auto`
+        keeps from it, such as float32 gradients: the next backend would then be `tiled`,
+        slower than this kernel at every size), the tiny ones, and without AVX-512 the
+        forward-only ones beyond decoding, are faster there."""
+        if sdpa.refusal(plan) is not None or sdpa.auto_passes_over(plan) is not None:
             return None
-        if sdpa.refusal(plan) is None and sdpa.auto_passes_over(plan) is None:
+        limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
+        if plan.q_len * plan.kv_len < limit:
             return (
                 f"torch SDPA is faster below {limit} scores per head (this request has "
                 f"{plan.q_len}×{plan.kv_len})"
+            )
+        isa = kernel_status()[0]
+        if (
+            isa not in FORWARD_FAST_ISAS
+            and not plan.wants_grad
+            and plan.q_len * plan.groups > DECODE_ROWS
+        ):
+            return (
+                f"on this CPU the kernel runs its {isa} path, where torch SDPA's forward is "
+                f"faster on a plain dense or causal request (the kernel is ahead with AVX-512 "
+                f"and in decoding)"
             )
         return None
 
