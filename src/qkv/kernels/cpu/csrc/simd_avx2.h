@@ -326,9 +326,13 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
 // columns: 2·MR float chains (12 for MR = 6, enough to cover the FMA latency of two pipes),
 // two B vectors and a broadcast in the 16 registers; the double sums of the block live in a
 // small array in L1 between chains. With D: D = D·α + Σ_c chain_c (acc_chains' arithmetic).
+// One out-of-line copy per row count, its chain loop unrolled by 8: inlined copies and a fully
+// unrolled 16-step loop ran slower (code size), a 16-trip loop's exit costs a mispredict.
 template <int MR>
-__attribute__((noinline)) static void micro_chain(int64_t K, const float* A, int64_t sam, const float* B, int64_t ldb,
-                               float* C, int64_t ldc, double scale, double* D, const double* alpha) {
+__attribute__((noinline)) static void micro_chain(int64_t K, const float* A, int64_t sam,
+                                                  const float* B, int64_t ldb, float* C,
+                                                  int64_t ldc, double scale, double* D,
+                                                  const double* alpha) {
   alignas(32) double t[MR][16];
   for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
     const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
@@ -369,7 +373,8 @@ __attribute__((noinline)) static void micro_chain(int64_t K, const float* A, int
       double* d = D + m * ldc;
 #pragma GCC unroll 4
       for (int v = 0; v < 4; ++v)
-        _mm256_storeu_pd(d + 4 * v, _mm256_fmadd_pd(_mm256_loadu_pd(d + 4 * v), a, _mm256_load_pd(t[m] + 4 * v)));
+        _mm256_storeu_pd(d + 4 * v,
+                         _mm256_fmadd_pd(_mm256_loadu_pd(d + 4 * v), a, _mm256_load_pd(t[m] + 4 * v)));
     }
     return;
   }
