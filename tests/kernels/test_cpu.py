@@ -158,16 +158,19 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_gradients():
     assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
 
 
-def test_nan_and_inf_in_masked_keys_and_values_do_not_leak():
-    # Keys 66 … 69 hold garbage that no row may see (some in FULL-looking tiles of the causal
-    # layout, some in PARTIAL ones): outputs and gradients stay those of the clean problem.
-    q, k, v = make_qkv(B=1, H=2, Nq=70, Nk=70, D=16)
+@pytest.mark.parametrize("n", [70, 128])
+def test_nan_and_inf_in_masked_keys_and_values_do_not_leak(n):
+    # Keys n−4 … n−1 hold garbage that no row may see (some in FULL-looking tiles of the causal
+    # layout, some in PARTIAL ones): outputs and gradients stay those of the clean problem. The
+    # last key tile holds 6 keys (n = 70) or 64 (n = 128: its P·V takes the non-finite path over
+    # 60 seen keys, more than one float chain, and must give the finite path's bits).
+    q, k, v = make_qkv(B=1, H=2, Nq=n, Nk=n, D=16)
     bad_k, bad_v = k.clone(), v.clone()
-    bad_k[:, :, 69] = float("nan")
-    bad_k[:, :, 67, 2] = float("-inf")
-    bad_v[:, :, 68] = float("inf")
-    bad_v[:, :, 66, 3] = float("nan")
-    seen = torch.arange(70) < 66
+    bad_k[:, :, n - 1] = float("nan")
+    bad_k[:, :, n - 3, 2] = float("-inf")
+    bad_v[:, :, n - 2] = float("inf")
+    bad_v[:, :, n - 4, 3] = float("nan")
+    seen = torch.arange(n) < n - 4
     for causal in (False, True):
         outs = []
         for kk, vv in ((k, v), (bad_k, bad_v)):

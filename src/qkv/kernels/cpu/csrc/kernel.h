@@ -531,24 +531,23 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       w.mrow[R] = mnew;
       w.alpha[R] = alpha;
     }
-    // P V in four chains of 16 keys, summed in double: a tile adds ≤ 16 float roundings
+    // P V in float chains of PV_CHAIN keys (16, or a whole tile on AVX2), summed in double
     const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv);
     for (int64_t R0 = 0; R0 < M; R0 += gs) {
       const int64_t gm = imin(gs, M - R0), lo = w.glo[R0 / gs], hi = w.ghi[R0 / gs];
       if (lo > hi) continue;  // no row of the group attends here: acc unchanged (α = 1)
+      const int64_t k0 = 16 * lo, k1 = imin(kw, 16 * (hi + 1));
       if (v_finite) {  // the chains' sums go straight into acc, in registers
-        const int64_t k0 = 16 * lo, k1 = imin(kw, 16 * (hi + 1));
         gemm_chain(gm, Dvp, k1 - k0, w.p + R0 * BK + k0, BK, vb + k0 * ldv, ldv, nullptr, Dvp,
                    0.0, w.acc + R0 * Dvp, w.alpha + R0);
         continue;
       }
-      for (int64_t c = lo; c <= hi; ++c) {
-        const int64_t k0 = 16 * c, kn = imin(16, kw - k0);
-        gemm_zero_safe(gm, Dvp, kn, w.p + R0 * BK + k0, BK, 1, vb + k0 * ldv, ldv,
-                       w.o + c * M * Dvp + R0 * Dvp, Dvp);
-      }
+      int64_t nc = 0;  // the same chains, from the same first key, in w.o
+      for (int64_t c0 = k0; c0 < k1; c0 += PV_CHAIN, ++nc)
+        gemm_zero_safe(gm, Dvp, imin(PV_CHAIN, k1 - c0), w.p + R0 * BK + c0, BK, 1, vb + c0 * ldv,
+                       ldv, w.o + nc * M * Dvp + R0 * Dvp, Dvp);
       for (int64_t R = R0; R < R0 + gm; ++R)
-        acc_chains(w.acc + R * Dvp, w.o + lo * M * Dvp + R * Dvp, M * Dvp, hi - lo + 1, w.alpha[R], Dvp);
+        acc_chains(w.acc + R * Dvp, w.o + R * Dvp, M * Dvp, nc, w.alpha[R], Dvp);
     }
   }
   const int64_t key = (b * P.Hkv + hkv) * L.nqb + i;

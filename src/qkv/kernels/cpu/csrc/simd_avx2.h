@@ -321,35 +321,47 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
   }
 }
 
-// C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CHAIN
+// P·V's float chains on AVX2: one per tile span (≤ 64 keys), not CHAIN keys (docs/cpu.md,
+// Accuracy): each chain's widening and double adds compete with the FMAs on this 16-register ISA.
+constexpr int64_t PV_CHAIN = BK;
+
+// p[m][·] = Σ_{k0 ≤ k < k1} A[m·sam + k] · B[k·ldb + 0…15], fused, from 0, in order (gemm's chain)
+template <int MR>
+static inline __attribute__((always_inline)) void chain_block(int64_t k0, int64_t k1, const float* A,
+                                                              int64_t sam, const float* B,
+                                                              int64_t ldb, __m256 (&p)[MR][2]) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) p[m][0] = p[m][1] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* b = B + k * ldb;
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 av = _mm256_broadcast_ss(A + m * sam + k);
+      p[m][0] = _mm256_fmadd_ps(av, b0, p[m][0]);
+      p[m][1] = _mm256_fmadd_ps(av, b1, p[m][1]);
+    }
+  }
+}
+
+// C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CH
 // fused products from 0, widened to double, added in order, one rounding. MR rows × 16
 // columns: 2·MR float chains (12 for MR = 6, enough to cover the FMA latency of two pipes),
 // two B vectors and a broadcast in the 16 registers; the double sums of the block live in a
 // small array in L1 between chains. With D: D = D·α + Σ_c chain_c (acc_chains' arithmetic).
 // One out-of-line copy per row count, its chain loop unrolled by 8: inlined copies and a fully
 // unrolled 16-step loop ran slower (code size), a 16-trip loop's exit costs a mispredict.
-template <int MR>
+template <int MR, int64_t CH>
 __attribute__((noinline)) static void micro_chain(int64_t K, const float* A, int64_t sam,
                                                   const float* B, int64_t ldb, float* C,
                                                   int64_t ldc, double scale, double* D,
                                                   const double* alpha) {
   alignas(32) double t[MR][16];
-  for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
-    const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
+  for (int64_t k0 = 0; k0 < K; k0 += CH) {
+    const int64_t k1 = K - k0 < CH ? K : k0 + CH;
     __m256 p[MR][2];
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) p[m][0] = p[m][1] = _mm256_setzero_ps();
-#pragma GCC unroll 8
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* b = B + k * ldb;
-      const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const __m256 av = _mm256_broadcast_ss(A + m * sam + k);
-        p[m][0] = _mm256_fmadd_ps(av, b0, p[m][0]);
-        p[m][1] = _mm256_fmadd_ps(av, b1, p[m][1]);
-      }
-    }
+    chain_block<MR>(k0, k1, A, sam, B, ldb, p);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 2
@@ -389,7 +401,8 @@ __attribute__((noinline)) static void micro_chain(int64_t K, const float* A, int
     }
 }
 
-// N a multiple of 16 (callers pass 16-key spans, BK or Dvp)
+// N a multiple of 16 (callers pass 16-key spans, BK or Dvp). With D (double, same ldc) instead
+// of C: D = D·alpha[m] + the chains' sum, row m, in chains of PV_CHAIN products.
 static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
                        const float* B, int64_t ldb, float* C, int64_t ldc, double scale,
                        double* D = nullptr, const double* alpha = nullptr) {
@@ -401,14 +414,18 @@ static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t 
       float* c = C ? C + m0 * ldc + n0 : nullptr;
       double* d = D ? D + m0 * ldc + n0 : nullptr;
       const double* al = alpha ? alpha + m0 : nullptr;
+#define QKV_MC(MRR)                                                                      \
+  if (D) micro_chain<MRR, PV_CHAIN>(K, a, sam, b, ldb, c, ldc, scale, d, al);            \
+  else micro_chain<MRR, CHAIN>(K, a, sam, b, ldb, c, ldc, scale, d, al);
       switch (mr) {
-        case 1: micro_chain<1>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
-        case 2: micro_chain<2>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
-        case 3: micro_chain<3>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
-        case 4: micro_chain<4>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
-        case 5: micro_chain<5>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
-        default: micro_chain<6>(K, a, sam, b, ldb, c, ldc, scale, d, al); break;
+        case 1: QKV_MC(1) break;
+        case 2: QKV_MC(2) break;
+        case 3: QKV_MC(3) break;
+        case 4: QKV_MC(4) break;
+        case 5: QKV_MC(5) break;
+        default: QKV_MC(6) break;
       }
+#undef QKV_MC
     }
 }
 

@@ -318,6 +318,9 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
   }
 }
 
+// P·V's float chains: CHAIN keys, as the scores'
+constexpr int64_t PV_CHAIN = CHAIN;
+
 // C = float(scale · Σ_c chain_c) for C[M×N] = A[M×K]·B[K×N], A read as A[m·sam + k], N a
 // multiple of 16: chain c is the sequential fused sum, from 0, of the products k = 16c … 16c+15
 // (as gemm forms it), widened exactly to double; the chains are added in order in double and the
