@@ -41,15 +41,15 @@ from .base import Result
 # fp16/bf16/fp32 inputs; everything accumulates in float32/float64 inside
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Below these score elements per head (Nq·Nk), torch SDPA beat the kernel on requests it can
-# run (fixed cost of a call against SDPA's ~20 µs), measured with benchmarks/cpu.py on 2 cores:
-# float32 from about 200×200 (the backward's crossover; the forward's is ~64×64), 16-bit from
-# about 32×32.
+# run (fixed cost of a call against SDPA's ~20 µs), measured by `python -m benchmarks.run cpu`
+# (its small-size table), 2 cores: float32 from about 200×200 (the backward's crossover; the
+# forward's is ~64×64), 16-bit from about 32×32.
 SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.float16: 32 * 32}
 # Without AVX-512 (the kernel's avx2 and portable paths) torch SDPA's forward is the faster one
 # on plain dense and causal requests: `python -m benchmarks.run cpu` on an AMD EPYC (Zen 3,
-# AVX2), 2 cores, measured the kernel at 0.75–0.76× SDPA (fp32, N = 4096) where AVX-512
-# (Zen 5) gave 1.65×; its decoding and 16-bit forward + backward stay ahead (float32
-# gradients never go to SDPA). Decoding: Nq·G ≤ DECODE_ROWS.
+# AVX2), 2 cores, measured the kernel at 0.81–0.87× SDPA (fp32, N = 4096; bf16 0.995–1.03×)
+# where AVX-512 (Zen 5) gave 1.65×; its decoding and 16-bit forward + backward stay ahead
+# (float32 gradients never go to SDPA). Decoding: Nq·G ≤ DECODE_ROWS.
 FORWARD_FAST_ISAS = ("avx512",)
 DECODE_ROWS = 16
 
