@@ -163,7 +163,8 @@ def test_nan_and_inf_in_masked_keys_and_values_do_not_leak(n):
     # Keys n−4 … n−1 hold garbage that no row may see (some in FULL-looking tiles of the causal
     # layout, some in PARTIAL ones): outputs and gradients stay those of the clean problem. The
     # last key tile holds 6 keys (n = 70) or 64 (n = 128: its P·V takes the non-finite path over
-    # 60 seen keys, more than one float chain, and must give the finite path's bits).
+    # 60 seen keys, four 16-key chains or one whole-tile chain on AVX2, and must give the finite
+    # path's bits).
     q, k, v = make_qkv(B=1, H=2, Nq=n, Nk=n, D=16)
     bad_k, bad_v = k.clone(), v.clone()
     bad_k[:, :, n - 1] = float("nan")

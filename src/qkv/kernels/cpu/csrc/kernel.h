@@ -537,7 +537,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       const int64_t gm = imin(gs, M - R0), lo = w.glo[R0 / gs], hi = w.ghi[R0 / gs];
       if (lo > hi) continue;  // no row of the group attends here: acc unchanged (α = 1)
       const int64_t k0 = 16 * lo, k1 = imin(kw, 16 * (hi + 1));
-      if (v_finite) {  // the chains' sums go straight into acc, in registers
+      if (v_finite) {  // the micro-kernel adds the chains' sum straight into acc
         gemm_chain(gm, Dvp, k1 - k0, w.p + R0 * BK + k0, BK, vb + k0 * ldv, ldv, nullptr, Dvp,
                    0.0, w.acc + R0 * Dvp, w.alpha + R0);
         continue;
