@@ -794,8 +794,9 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
 }
 
 // The backward's row pass: Δ of every row, once. For query tiles holding a peaked row:
-// Δ_i = Σ_j P_ij dP̃_ij / Σ_j P_ij − dlse_i over the kept tiles of query tile i, where P and dP̃ (dP, dropped and rescaled) are
-// computed exactly as bwd_item computes them (same packing, same instructions: the same bits).
+// Δ_i = Σ_j P_ij dP̃_ij / Σ_j P_ij − dlse_i over the kept tiles of query tile i, where P and dP̃
+// (dP, dropped and rescaled) are computed exactly as bwd_item computes them (same packing, same
+// instructions: the same bits).
 // dS = P ∘ (dP̃ − Δ) then sums to zero over each row up to the rounding of P, as the softmax's
 // gradient does. Δ = dO·O from the saved output carries the rounding of O (to its dtype, and of
 // the forward's P, which are not the backward's bits); dP̃_j − Δ is of the order of
