@@ -444,27 +444,45 @@ static inline double hsum4d(__m256d x) {
   __m128d s = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
   return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
 }
+// Decoding's precise scores, NR rows at a time: each score sums q·k in double over d, in two
+// lanes of 4 (d mod 8 < 4 and ≥ 4) added at the end, then the tail; the rows share each widened
+// chunk of k. NR a template argument, so the 2·NR sums stay in registers (with a runtime row
+// count they went through the stack on every step, and decoding ran at half the memory rate).
+template <int NR>
+static inline void dot_rows64_n(const double* q, int64_t ldq, const float* k, int64_t n,
+                                float* out, int64_t lds, double scale) {
+  const int64_t n8 = n & ~int64_t(7);
+  __m256d a[NR][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) a[r][0] = a[r][1] = _mm256_setzero_pd();
+  for (int64_t d = 0; d < n8; d += 8) {
+    const __m256d k0 = _mm256_cvtps_pd(_mm_loadu_ps(k + d));
+    const __m256d k1 = _mm256_cvtps_pd(_mm_loadu_ps(k + d + 4));
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const double* qr = q + r * ldq + d;
+      a[r][0] = _mm256_fmadd_pd(_mm256_loadu_pd(qr), k0, a[r][0]);
+      a[r][1] = _mm256_fmadd_pd(_mm256_loadu_pd(qr + 4), k1, a[r][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) {
+    const double* qr = q + r * ldq;
+    double s = hsum4d(_mm256_add_pd(a[r][0], a[r][1]));
+    for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
+    out[r * lds] = (float)(s * scale);
+  }
+}
 static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const float* k, int64_t n,
                               float* out, int64_t lds, double scale) {
-  const int64_t n8 = n & ~int64_t(7);
-  for (int64_t r0 = 0; r0 < M; r0 += 2) {  // two rows share each widened chunk of k
-    const int64_t nr = M - r0 < 2 ? M - r0 : 2;
-    __m256d a[2][2] = {{_mm256_setzero_pd(), _mm256_setzero_pd()},
-                       {_mm256_setzero_pd(), _mm256_setzero_pd()}};
-    for (int64_t d = 0; d < n8; d += 8) {
-      const __m256d k0 = _mm256_cvtps_pd(_mm_loadu_ps(k + d));
-      const __m256d k1 = _mm256_cvtps_pd(_mm_loadu_ps(k + d + 4));
-      for (int64_t r = 0; r < nr; ++r) {
-        const double* qr = q + (r0 + r) * ldq + d;
-        a[r][0] = _mm256_fmadd_pd(_mm256_loadu_pd(qr), k0, a[r][0]);
-        a[r][1] = _mm256_fmadd_pd(_mm256_loadu_pd(qr + 4), k1, a[r][1]);
-      }
-    }
-    for (int64_t r = 0; r < nr; ++r) {
-      const double* qr = q + (r0 + r) * ldq;
-      double s = hsum4d(_mm256_add_pd(a[r][0], a[r][1]));
-      for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
-      out[(r0 + r) * lds] = (float)(s * scale);
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {
+    const double* qr = q + r0 * ldq;
+    float* o = out + r0 * lds;
+    switch (M - r0 < 4 ? M - r0 : 4) {
+      case 1: dot_rows64_n<1>(qr, ldq, k, n, o, lds, scale); break;
+      case 2: dot_rows64_n<2>(qr, ldq, k, n, o, lds, scale); break;
+      case 3: dot_rows64_n<3>(qr, ldq, k, n, o, lds, scale); break;
+      default: dot_rows64_n<4>(qr, ldq, k, n, o, lds, scale); break;
     }
   }
 }
