@@ -345,21 +345,20 @@ static inline __attribute__((always_inline)) void chain_block(int64_t k0, int64_
   }
 }
 
-// C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CH
+// C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CHAIN
 // fused products from 0, widened to double, added in order, one rounding. MR rows × 16
 // columns: 2·MR float chains (12 for MR = 6, enough to cover the FMA latency of two pipes),
 // two B vectors and a broadcast in the 16 registers; the double sums of the block live in a
-// small array in L1 between chains. With D: D = D·α + Σ_c chain_c (acc_chains' arithmetic).
-// One out-of-line copy per row count, its chain loop unrolled by 8: inlined copies and a fully
-// unrolled 16-step loop ran slower (code size), a 16-trip loop's exit costs a mispredict.
-template <int MR, int64_t CH>
-__attribute__((noinline)) static void micro_chain(int64_t K, const float* A, int64_t sam,
-                                                  const float* B, int64_t ldb, float* C,
-                                                  int64_t ldc, double scale, double* D,
-                                                  const double* alpha) {
+// small array in L1 between chains. One out-of-line copy per row count, its chain loop unrolled
+// by 8: inlined copies and a fully unrolled 16-step loop ran slower (code size), a 16-trip
+// loop's exit costs a mispredict.
+template <int MR>
+__attribute__((noinline)) static void micro_scores(int64_t K, const float* A, int64_t sam,
+                                                   const float* B, int64_t ldb, float* C,
+                                                   int64_t ldc, double scale) {
   alignas(32) double t[MR][16];
-  for (int64_t k0 = 0; k0 < K; k0 += CH) {
-    const int64_t k1 = K - k0 < CH ? K : k0 + CH;
+  for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
+    const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
     __m256 p[MR][2];
     chain_block<MR>(k0, k1, A, sam, B, ldb, p);
 #pragma GCC unroll 8
@@ -378,18 +377,6 @@ __attribute__((noinline)) static void micro_chain(int64_t K, const float* A, int
         }
       }
   }
-  if (D != nullptr) {
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256d a = _mm256_set1_pd(alpha[m]);
-      double* d = D + m * ldc;
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v)
-        _mm256_storeu_pd(d + 4 * v,
-                         _mm256_fmadd_pd(_mm256_loadu_pd(d + 4 * v), a, _mm256_load_pd(t[m] + 4 * v)));
-    }
-    return;
-  }
   const __m256d sc = _mm256_set1_pd(scale);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -401,8 +388,30 @@ __attribute__((noinline)) static void micro_chain(int64_t K, const float* A, int
     }
 }
 
+// P·V: D = D·α + chain, row m: one float chain of K ≤ PV_CHAIN products, widened and added
+// into D straight from the registers (acc_chains' arithmetic for one chain).
+template <int MR>
+__attribute__((noinline)) static void micro_pv(int64_t K, const float* A, int64_t sam,
+                                               const float* B, int64_t ldb, double* D,
+                                               int64_t ldd, const double* alpha) {
+  __m256 p[MR][2];
+  chain_block<MR>(0, K, A, sam, B, ldb, p);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const __m256d a = _mm256_set1_pd(alpha[m]);
+    double* d = D + m * ldd;
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(p[m][v]));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(p[m][v], 1));
+      _mm256_storeu_pd(d + 8 * v, _mm256_fmadd_pd(_mm256_loadu_pd(d + 8 * v), a, lo));
+      _mm256_storeu_pd(d + 8 * v + 4, _mm256_fmadd_pd(_mm256_loadu_pd(d + 8 * v + 4), a, hi));
+    }
+  }
+}
+
 // N a multiple of 16 (callers pass 16-key spans, BK or Dvp). With D (double, same ldc) instead
-// of C: D = D·alpha[m] + the chains' sum, row m, in chains of PV_CHAIN products.
+// of C: D = D·alpha[m] + the chain's sum, row m (K ≤ PV_CHAIN: one tile span).
 static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
                        const float* B, int64_t ldb, float* C, int64_t ldc, double scale,
                        double* D = nullptr, const double* alpha = nullptr) {
@@ -414,9 +423,9 @@ static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t 
       float* c = C ? C + m0 * ldc + n0 : nullptr;
       double* d = D ? D + m0 * ldc + n0 : nullptr;
       const double* al = alpha ? alpha + m0 : nullptr;
-#define QKV_MC(MRR)                                                                      \
-  if (D) micro_chain<MRR, PV_CHAIN>(K, a, sam, b, ldb, c, ldc, scale, d, al);            \
-  else micro_chain<MRR, CHAIN>(K, a, sam, b, ldb, c, ldc, scale, d, al);
+#define QKV_MC(MRR)                                          \
+  if (D) micro_pv<MRR>(K, a, sam, b, ldb, d, ldc, al);       \
+  else micro_scores<MRR>(K, a, sam, b, ldb, c, ldc, scale);
       switch (mr) {
         case 1: QKV_MC(1) break;
         case 2: QKV_MC(2) break;
