@@ -456,7 +456,7 @@ static inline double hsum4d(__m256d x) {
 // Decoding's precise scores, NR rows at a time: each score sums q·k in double over d, in two
 // lanes of 4 (d mod 8 < 4 and ≥ 4) added at the end, then the tail; the rows share each widened
 // chunk of k. NR a template argument, so the 2·NR sums stay in registers (with a runtime row
-// count they went through the stack on every step, and decoding ran at half the memory rate).
+// count GCC kept them on the stack: a store and a load per product).
 template <int NR>
 static inline void dot_rows64_n(const double* q, int64_t ldq, const float* k, int64_t n,
                                 float* out, int64_t lds, double scale) {
