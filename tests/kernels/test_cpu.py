@@ -224,6 +224,15 @@ def test_decode_against_a_long_cache(nq, hkv):
     _check_grads(CpuBackend(), q, k, v, torch.float32, causal=True)
 
 
+@pytest.mark.parametrize("groups", [1, 3, 5, 7])
+def test_decode_every_row_count_of_a_group(groups):
+    # Decoding (Nq·G ≤ 16 rows) sums each score over d straight from the key row, rows in blocks
+    # of up to 4 (on AVX2 one compiled loop per block size: 1, 3, then 4 + 1, 4 + 3 rows here);
+    # D = 20 leaves a tail past the 8-wide lanes.
+    q, k, v = make_qkv(B=1, H=2 * groups, Hkv=2, Nq=1, Nk=700, D=20, Dv=24, requires_grad=True)
+    _check_grads(CpuBackend(), q, k, v, torch.float32)
+
+
 def test_empty_sequences():
     q, k, v = make_qkv(B=1, H=2, Nq=0, Nk=5, D=8)
     assert qkv.attention(q, k, v, backend="cpu").shape == (1, 2, 0, 8)
