@@ -345,6 +345,12 @@ static inline __attribute__((always_inline)) void chain_block(int64_t k0, int64_
   }
 }
 
+// the 8 floats of x as two vectors of 4 doubles (exact)
+static inline void widen8(__m256 x, __m256d& lo, __m256d& hi) {
+  lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+}
+
 // C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CHAIN
 // fused products from 0, widened to double, added in order, one rounding. MR rows × 16
 // columns: 2·MR float chains (12 for MR = 6, enough to cover the FMA latency of two pipes),
@@ -365,8 +371,8 @@ __attribute__((noinline)) static void micro_scores(int64_t K, const float* A, in
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 2
       for (int v = 0; v < 2; ++v) {
-        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(p[m][v]));
-        const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(p[m][v], 1));
+        __m256d lo, hi;
+        widen8(p[m][v], lo, hi);
         double* tv = t[m] + 8 * v;
         if (k0 == 0) {
           _mm256_store_pd(tv, lo);
@@ -402,8 +408,8 @@ __attribute__((noinline)) static void micro_pv(int64_t K, const float* A, int64_
     double* d = D + m * ldd;
 #pragma GCC unroll 2
     for (int v = 0; v < 2; ++v) {
-      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(p[m][v]));
-      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(p[m][v], 1));
+      __m256d lo, hi;
+      widen8(p[m][v], lo, hi);
       _mm256_storeu_pd(d + 8 * v, _mm256_fmadd_pd(_mm256_loadu_pd(d + 8 * v), a, lo));
       _mm256_storeu_pd(d + 8 * v + 4, _mm256_fmadd_pd(_mm256_loadu_pd(d + 8 * v + 4), a, hi));
     }
