@@ -40,6 +40,7 @@ HEADERS = (
     "simd_avx512.h",
     "simd_avx2.h",
     "simd_portable.h",
+    "backward_ops.h",
 )
 # -ffp-contract=off: a product and a sum are fused only where the code says so, so the scores
 # the forward and the backward compute are the same bits. -fopenmp at compile time only: the

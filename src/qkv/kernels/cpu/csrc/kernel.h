@@ -781,12 +781,9 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
             v_store(dsrow + 16 * q, ds);
           }
         }
-        gemm(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.o, Dvp);
-        for (int64_t jj = 0; jj < kw; ++jj) add_f64(w.dv64 + jj * Dvp, w.o + jj * Dvp, Dvp);
-        gemm(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.o, Dp);
-        for (int64_t jj = 0; jj < kw; ++jj) add_f64(w.dk64 + jj * Dp, w.o + jj * Dp, Dp);
-        gemm(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, w.o, Dp);
-        for (int64_t r = 0; r < nr; ++r) add_f64(qacc + (g * bq + r) * Dp, w.o + r * Dp, Dp);
+        gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp, w.o);
+        gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp, w.o);
+        gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp, w.o);
       }
     }
     if (e1 > e0) {

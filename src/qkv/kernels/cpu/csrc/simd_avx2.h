@@ -325,11 +325,13 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
 // Accuracy): each chain's widening and double adds compete with the FMAs on this 16-register ISA.
 constexpr int64_t PV_CHAIN = BK;
 
-// p[m][·] = Σ_{k0 ≤ k < k1} A[m·sam + k] · B[k·ldb + 0…15], fused, from 0, in order (gemm's chain)
+// p[m][·] = Σ_{k0 ≤ k < k1} A[m·sam + k·sak] · B[k·ldb + 0…15], fused, from 0, in order
+// (gemm's chain)
 template <int MR>
 static inline __attribute__((always_inline)) void chain_block(int64_t k0, int64_t k1, const float* A,
-                                                              int64_t sam, const float* B,
-                                                              int64_t ldb, __m256 (&p)[MR][2]) {
+                                                              int64_t sam, int64_t sak,
+                                                              const float* B, int64_t ldb,
+                                                              __m256 (&p)[MR][2]) {
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) p[m][0] = p[m][1] = _mm256_setzero_ps();
 #pragma GCC unroll 8
@@ -338,7 +340,7 @@ static inline __attribute__((always_inline)) void chain_block(int64_t k0, int64_
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      const __m256 av = _mm256_broadcast_ss(A + m * sam + k);
+      const __m256 av = _mm256_broadcast_ss(A + m * sam + k * sak);
       p[m][0] = _mm256_fmadd_ps(av, b0, p[m][0]);
       p[m][1] = _mm256_fmadd_ps(av, b1, p[m][1]);
     }
@@ -366,7 +368,7 @@ __attribute__((noinline)) static void micro_scores(int64_t K, const float* A, in
   for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
     const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
     __m256 p[MR][2];
-    chain_block<MR>(k0, k1, A, sam, B, ldb, p);
+    chain_block<MR>(k0, k1, A, sam, 1, B, ldb, p);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 2
@@ -394,24 +396,31 @@ __attribute__((noinline)) static void micro_scores(int64_t K, const float* A, in
     }
 }
 
-// P·V: D = D·α + chain, row m: one float chain of K ≤ PV_CHAIN products, widened and added
-// into D straight from the registers (acc_chains' arithmetic for one chain).
+// D = D·α + chain, row m: one float chain of K products (A[m·sam + k·sak]), widened and added
+// into D straight from the registers (acc_chains' arithmetic for one chain; without alpha,
+// α = 1: D + chain). P·V (K ≤ PV_CHAIN) and the backward's dV, dK and dQ (gemm_acc).
 template <int MR>
-__attribute__((noinline)) static void micro_pv(int64_t K, const float* A, int64_t sam,
+__attribute__((noinline)) static void micro_pv(int64_t K, const float* A, int64_t sam, int64_t sak,
                                                const float* B, int64_t ldb, double* D,
                                                int64_t ldd, const double* alpha) {
   __m256 p[MR][2];
-  chain_block<MR>(0, K, A, sam, B, ldb, p);
+  chain_block<MR>(0, K, A, sam, sak, B, ldb, p);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
-    const __m256d a = _mm256_set1_pd(alpha[m]);
     double* d = D + m * ldd;
 #pragma GCC unroll 2
     for (int v = 0; v < 2; ++v) {
       __m256d lo, hi;
       widen8(p[m][v], lo, hi);
-      _mm256_storeu_pd(d + 8 * v, _mm256_fmadd_pd(_mm256_loadu_pd(d + 8 * v), a, lo));
-      _mm256_storeu_pd(d + 8 * v + 4, _mm256_fmadd_pd(_mm256_loadu_pd(d + 8 * v + 4), a, hi));
+      const __m256d d0 = _mm256_loadu_pd(d + 8 * v), d1 = _mm256_loadu_pd(d + 8 * v + 4);
+      if (alpha) {
+        const __m256d a = _mm256_set1_pd(alpha[m]);
+        _mm256_storeu_pd(d + 8 * v, _mm256_fmadd_pd(d0, a, lo));
+        _mm256_storeu_pd(d + 8 * v + 4, _mm256_fmadd_pd(d1, a, hi));
+      } else {
+        _mm256_storeu_pd(d + 8 * v, _mm256_add_pd(d0, lo));
+        _mm256_storeu_pd(d + 8 * v + 4, _mm256_add_pd(d1, hi));
+      }
     }
   }
 }
@@ -430,7 +439,7 @@ static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t 
       double* d = D ? D + m0 * ldc + n0 : nullptr;
       const double* al = alpha ? alpha + m0 : nullptr;
 #define QKV_MC(MRR)                                          \
-  if (D) micro_pv<MRR>(K, a, sam, b, ldb, d, ldc, al);       \
+  if (D) micro_pv<MRR>(K, a, sam, 1, b, ldb, d, ldc, al);    \
   else micro_scores<MRR>(K, a, sam, b, ldb, c, ldc, scale);
       switch (mr) {
         case 1: QKV_MC(1) break;
@@ -441,6 +450,28 @@ static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t 
         default: QKV_MC(6) break;
       }
 #undef QKV_MC
+    }
+}
+
+// The backward's accumulations: D[m·ldd + n] += double(float Σ_k A[m·sam + k·sak]·B[k·ldb + n]),
+// the float sum gemm's chain (the same bits as gemm into a float tile, then add_f64), added
+// from the registers. N a multiple of 16; tmp unused here.
+static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
+                     const float* B, int64_t ldb, double* D, int64_t ldd, float*) {
+  for (int64_t n0 = 0; n0 < N; n0 += 16)
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
+      const float* a = A + m0 * sam;
+      const float* b = B + n0;
+      double* d = D + m0 * ldd + n0;
+      switch (mr) {
+        case 1: micro_pv<1>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+        case 2: micro_pv<2>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+        case 3: micro_pv<3>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+        case 4: micro_pv<4>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+        case 5: micro_pv<5>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+        default: micro_pv<6>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+      }
     }
 }
 

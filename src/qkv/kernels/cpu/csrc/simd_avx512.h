@@ -3,7 +3,8 @@
 //
 // V16 is 16 floats (the unit of the elementwise passes: a 64-key tile row is 4 of them), M16 a
 // lane mask, U16 16 uint32 lanes (the dropout hash). gemm() is the register-blocked
-// micro-kernel every product of the kernel goes through.
+// micro-kernel of the float products (gemm_chain of the chained ones); backward_ops.h, included
+// at the end, builds the backward's gemm_acc from gemm and add_f64.
 
 #define QKV_ISA_NAME "avx512"
 
@@ -459,3 +460,5 @@ static inline void dot_rows32(const float* q, int64_t ldq, int64_t M, const floa
     out[r * lds] = s * scale;
   }
 }
+
+#include "backward_ops.h"

@@ -237,3 +237,5 @@ static inline void dot_rows32(const float* q, int64_t ldq, int64_t M, const floa
     out[r * lds] = s * scale;
   }
 }
+
+#include "backward_ops.h"
