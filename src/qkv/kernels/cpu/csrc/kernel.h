@@ -211,12 +211,16 @@ static void gemm_zero_safe(int64_t M, int64_t N, int64_t K, const float* A, int6
 struct Buf {
   char* base;
   float *q, *kr, *kt, *vr, *vt, *s, *p, *ds, *dfac, *o, *dO, *tmp;
+  float* slo;  // the scores' low parts (score_lo; finite: zeroed here, written finite)
   float *mrow, *slope;
   int64_t *qpos, *bitoff;
   uint32_t *rowh, *colh;
   double *l, *alpha, *delta, *inv_l, *acc, *dk64, *dv64;
   double *vt64, *dO64, *dp64;  // backward: Vᵀ, dO and dP in double (dP's sums are exact)
-  double* q64;  // decoding's precise scores (float32 inputs): Q in double
+  double* q64;  // precise scores (float32 inputs): Q in double (decoding, exact rows)
+  double* qn;   // precise scores: |q| of each row (exact_rows)
+  double kmax;  // precise scores: the largest |k| of the packed key tile (exact_rows)
+  int8_t* exact;  // per row: this tile's scores formed exactly, with their low parts in slo
   double* pool;  // backward: live dQ tiles
   int64_t pool_cap;
   int32_t *slot_of, *free_slots;
@@ -234,12 +238,12 @@ static inline char* carve(char*& cur, int64_t bytes) {
 static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   const int64_t Dp = P.Dp, Dvp = P.Dvp, Dm = imax(Dp, Dvp), R = imax(rows, 1);
   int64_t bytes = 0;
-  const int64_t floats[] = {R * Dp, BK * Dp,  Dp * BK, BK * Dvp, Dvp * BK, R * BK, R * BK,
+  const int64_t floats[] = {R * Dp, BK * Dp, Dp * BK, BK * Dvp, Dvp * BK, R * BK, R * BK, R * BK,
                             R * BK, R * BK, imax(4 * R, BK) * Dm, P.lay.bq * Dvp + 16, Dm + 16, R, R};
   for (int64_t f : floats) bytes += (f * 4 + 63) & ~int64_t(63);
   bytes += 2 * ((R * 8 + 63) & ~int64_t(63)) + 2 * ((R * 4 + 63) & ~int64_t(63)) + 256;
-  bytes += 2 * ((R + 63) & ~int64_t(63));
-  const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp};
+  bytes += 3 * ((R + 63) & ~int64_t(63));
+  const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, R};
   for (int64_t d : doubles) bytes += (d * 8 + 63) & ~int64_t(63);
   w.base = (char*)aligned_alloc(64, (size_t)((bytes + 63) & ~int64_t(63)));
   if (!w.base) return false;
@@ -250,6 +254,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.vr = (float*)carve(cur, BK * Dvp * 4);
   w.vt = (float*)carve(cur, Dvp * BK * 4);
   w.s = (float*)carve(cur, R * BK * 4);
+  w.slo = (float*)carve(cur, R * BK * 4);
+  __builtin_memset(w.slo, 0, (size_t)(R * BK) * 4);
   w.p = (float*)carve(cur, R * BK * 4);
   w.ds = (float*)carve(cur, R * BK * 4);
   w.dfac = (float*)carve(cur, R * BK * 4);
@@ -273,6 +279,9 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.dO64 = (double*)carve(cur, R * Dvp * 8);
   w.dp64 = (double*)carve(cur, R * BK * 8);
   w.q64 = (double*)carve(cur, R * Dp * 8);
+  w.qn = (double*)carve(cur, R * 8);
+  w.exact = (int8_t*)carve(cur, R);
+  __builtin_memset(w.exact, 0, (size_t)R);
   w.glo = (int8_t*)carve(cur, R);
   w.ghi = (int8_t*)carve(cur, R);
   w.pool = nullptr;
@@ -372,22 +381,103 @@ static void tile_scores(const Problem& P, int64_t M, const float* q, const doubl
         for (int64_t x = 0; x < P.Dv * 4; x += 64) __builtin_prefetch(vn + x);
       }
       if (P.precise_scores)
-        dot_rows64(q64, ldq, M, krows + j * ldk, P.D, w.s + j, BK, P.mods.scale64);
+        dot_rows64(q64, ldq, M, krows + j * ldk, P.D, w.s + j, w.slo + j, BK, P.mods.scale64);
       else
         dot_rows32(q, ldq, M, krows + j * ldk, P.D, w.s + j, BK, P.mods.scale);
     }
     for (int64_t R = 0; R < M; ++R)
-      for (int64_t j = kw; j < BK; ++j) w.s[R * BK + j] = 0.0f;
+      for (int64_t j = kw; j < BK; ++j) w.s[R * BK + j] = w.slo[R * BK + j] = 0.0f;
     return;
   }
   block_scores(P, M, BK, q, ldq, w.kt, w.s);
 }
 
-// load row n of q (b, h) into q[·] and, for decoding's precise scores, q64[·]
-static inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t n, float* q, double* q64) {
+// exp(s − m) for scores 16q … 16q+15 of a row. With the scores' low parts (lorow: the row of
+// w.slo, where the problem uses them; null unless P.score_lo): x = (s − m) + s_lo, rounded to
+// float, and exp(x) · (1 + r) with r that rounding, exactly (s − m is exact near the row's
+// maximum and |s_lo| ≤ half an ulp of s, so r = s_lo − (x − (s − m))): a weight then carries
+// about a float rounding of itself, not one of its logit (x ≈ 10 rounds by 5e-7). r is 0 where
+// it is not finite (masked scores, −inf).
+static inline V16 exp_scores(const float* srow, const float* lorow, int64_t q, V16 mv) {
+  const V16 d = v_sub(v_load(srow + 16 * q), mv);
+  if (!lorow) return v_exp(d);
+  const V16 lo = v_load(lorow + 16 * q), x = v_add(d, lo);
+  V16 r = v_sub(lo, v_sub(x, d));
+  r = v_select(v_finite(r), r, v_set(0.0f));
+  const V16 e = v_exp(x);
+  return v_fma(e, r, e);
+}
+
+// load row n of q (b, h) into q[·] and, for precise scores, its norm *qn (and q64[·] for
+// decoding's dot products)
+static inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t n, float* q, double* q64,
+                          double* qn) {
   load_row(row_of(P.q, P.dtype, b, h, n), P.dtype, P.D, P.Dp, q);
-  if (P.precise_scores && P.dot_scores)
+  if (!P.precise_scores) return;
+  if (P.dot_scores)
     for (int64_t d = 0; d < P.Dp; ++d) q64[d] = (double)q[d];
+  V16 ss = v_set(0.0f);
+  for (int64_t d = 0; d < P.Dp; d += 16) ss = v_fma(v_load(q + d), v_load(q + d), ss);
+  *qn = __builtin_sqrt((double)v_hsum(ss));
+}
+
+// Precise scores whose products are large lose, in the float chains, more than the float32
+// reference loses in its own sums: at |q|·|k|·scale in the hundreds (logits of that size) the
+// chains' roundings (of partial sums of that size) move a weight P by more than the rule
+// allows, and dS = P ∘ (dP − Δ) amplifies them in peaked rows (docs/cpu.md, Accuracy). Rows
+// with |q| · max_j |k_j| · scale above this bound get the tile's scores formed exactly
+// instead: each a dot product in double (dot_rows64), kept as its float rounding and low part.
+// Random normal q, k (|q|·|k|·scale ≈ 10 at D = 64) stay far below it.
+constexpr double EXACT_BOUND = 32.0;
+
+// the largest |k_j| of a packed key tile kt (Dp × BK, columns j < kw), non-finite entries
+// read as 0 (as the backward's sanitized copy holds them): the same value from both passes
+static double key_norm_max(const Problem& P, const float* kt, int64_t kw) {
+  const V16 zero = v_set(0.0f);
+  V16 acc[4] = {zero, zero, zero, zero};
+  for (int64_t d = 0; d < P.D; ++d)
+    for (int64_t q = 0; q < 4; ++q) {
+      const V16 x = v_load(kt + d * BK + 16 * q);
+      acc[q] = v_add(acc[q], v_select(v_finite(x), v_mul(x, x), zero));
+    }
+  float sq[BK];
+  for (int64_t q = 0; q < 4; ++q) v_store(sq + 16 * q, acc[q]);
+  float mx = 0.0f;
+  for (int64_t j = 0; j < kw; ++j) mx = sq[j] > mx ? sq[j] : mx;
+  return __builtin_sqrt((double)mx);
+}
+
+// After a tile's scores of M rows (w.q, w.qn: the rows and their norms; w.kmax: the key tile's):
+// mark the rows whose scores are formed exactly (every row when decoding: its dot products are
+// exact; see EXACT_BOUND otherwise) and form those rows' scores from the key rows krows (ld ldk)
+// with their low parts. The forward and the backward mark the same rows (the same q, and K
+// read alike).
+static void exact_rows(const Problem& P, int64_t M, const float* krows, int64_t ldk, int64_t kw,
+                       Buf& w) {
+  if (!P.precise_scores) return;
+  if (P.dot_scores) {
+    for (int64_t r = 0; r < M; ++r) w.exact[r] = 1;
+    return;
+  }
+  const double bound = EXACT_BOUND / (w.kmax * P.mods.scale64);
+  const double* q64 = w.q64;
+  for (int64_t r = 0; r < M; ++r) {
+    w.exact[r] = w.qn[r] > bound;
+    if (w.exact[r])
+      for (int64_t d = 0; d < P.Dp; ++d) w.q64[r * P.Dp + d] = (double)w.q[r * P.Dp + d];
+  }
+  for (int64_t r0 = 0; r0 < M;) {
+    if (!w.exact[r0]) {
+      ++r0;
+      continue;
+    }
+    int64_t r1 = r0 + 1;
+    while (r1 < M && w.exact[r1]) ++r1;
+    for (int64_t j = 0; j < kw; ++j)
+      dot_rows64(q64 + r0 * P.Dp, P.Dp, r1 - r0, krows + j * ldk, P.D, w.s + r0 * BK + j,
+                 w.slo + r0 * BK + j, BK, P.mods.scale64);
+    r0 = r1;
+  }
 }
 
 // ------------------------------------------------------------------------- forward
@@ -463,7 +553,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     const int64_t h = hkv * G + g;
     for (int64_t r = 0; r < nr; ++r) {
       const int64_t R = g * nr + r;
-      load_q(P, b, h, r0 + r, w.q + R * Dp, w.q64 + R * Dp);
+      load_q(P, b, h, r0 + r, w.q + R * Dp, w.q64 + R * Dp, w.qn + R);
       w.mrow[R] = NEG_INF;
       w.l[R] = 0.0;
       w.slope[R] = P.mods.slopes ? P.mods.slopes[h] : 0.0f;
@@ -481,6 +571,11 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     int64_t ldk = Dp;
     if (!P.dot_scores) {
       pack_k(P, b, hkv, c0, kw, w, false, false);
+      if (P.precise_scores) w.kmax = key_norm_max(P, w.kt, kw);
+      if (P.dtype == DT_F32 && kw == BK && P.D == Dp) {  // kt straight from the tensor: no kr
+        krows = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
+        ldk = P.k.sn;
+      }
     } else if (P.dtype == DT_F32) {
       krows = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
       ldk = P.k.sn;
@@ -517,8 +612,10 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
                        w.s + R0 * BK + 16 * lo);
       }
     }
+    exact_rows(P, M, krows, ldk, kw, w);
     for (int64_t R = 0; R < M; ++R) {
       float* srow = w.s + R * BK;
+      const float* lorow = P.score_lo && w.exact[R] ? w.slo + R * BK : nullptr;
       float* prow = w.p + R * BK;
       const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[R]];
       w.alpha[R] = 1.0;
@@ -537,7 +634,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       const V16 mv = v_set(mnew);
       V16 sum = zero;
       for (int64_t q = 0; q < 4; ++q) {
-        V16 ev = v_exp(v_sub(v_load(srow + 16 * q), mv));
+        V16 ev = exp_scores(srow, lorow, q, mv);
         sum = v_add(sum, ev);
         if (P.drop.on) ev = v_select(drop_keep(P.drop, w.rowh[R], w.colh + 16 * q), v_mul(ev, keep_scale), zero);
         v_store(prow + 16 * q, ev);
@@ -669,6 +766,7 @@ static inline void bwd_pack(const Problem& P, int64_t b, int64_t hkv, int64_t c0
   pack_k(P, b, hkv, c0, kw, w, true, true);
   pack_v(P, b, hkv, c0, kw, w, true, true);
   for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
+  if (P.precise_scores && !P.dot_scores) w.kmax = key_norm_max(P, w.kt, kw);
   if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
 }
 
@@ -679,7 +777,7 @@ static inline void bwd_pack(const Problem& P, int64_t b, int64_t hkv, int64_t c0
 static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r, Buf& w) {
   const Layout& L = P.lay;
   const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
-  load_q(P, b, h, r0 + r, w.q + r * P.Dp, w.q64 + r * P.Dp);
+  load_q(P, b, h, r0 + r, w.q + r * P.Dp, w.q64 + r * P.Dp, w.qn + r);
   float* dor = w.dO + r * P.Dvp;
   double* dor64 = w.dO64 + r * P.Dv;
   load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, dor);
@@ -741,6 +839,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
     }
     for (int64_t e = e0; e < e1; ++e) {
       const int64_t i = L.row_idx[e], code = L.code_t[e], r0 = tile_r0(P, i), nr = tile_nr(P, i);
+      const bool exact = P.peaked[(b * P.Hkv + hkv) * L.nqb + i];  // dP exact (gemm_dp)
       double* qacc = w.pool + w.slot_of[Bp.local[e]] * tile;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hkv * G + g;
@@ -750,9 +849,11 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           w.delta[r] = P.delta[idx];  // the row pass's Δ (delta_item)
         }
         tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
-        gemm64(nr, BK, P.Dv, w.dO64, P.Dv, 1, w.vt64, BK, w.dp64, BK);
+        exact_rows(P, nr, w.kr, Dp, kw, w);
+        gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);
         for (int64_t r = 0; r < nr; ++r) {
           float* srow = w.s + r * BK;
+          const float* lorow = P.score_lo && w.exact[r] ? w.slo + r * BK : nullptr;
           float* prow = w.p + r * BK;
           float* dsrow = w.ds + r * BK;
           float* frow = w.dfac + r * BK;
@@ -768,7 +869,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           const V16 mv = v_set(w.mrow[r]);
           const double inv = w.inv_l[r], delta = w.delta[r];
           for (int64_t q = 0; q < 4; ++q) {
-            const V16 p = v_mul_f64(v_exp(v_sub(v_load(srow + 16 * q), mv)), inv);
+            const V16 p = v_mul_f64(exp_scores(srow, lorow, q, mv), inv);
             V16 pd = p;
             M16 keep = m_bits(0xFFFFu);
             if (P.drop.on) {
@@ -829,6 +930,7 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
       const double lr = P.l[(b * P.H + hkv * G + g) * P.Nq + r0 + r];
       peaked = lr > 0.0 && lr * PEAKED < 1.0;  // largest weight 1/l > PEAKED
     }
+  P.peaked[(b * P.Hkv + hkv) * L.nqb + i] = peaked;
   if (!peaked) {  // Δ = dO·O − dlse, the products exact in double, summed in order
     for (int64_t g = 0; g < G; ++g)
       for (int64_t r = 0; r < nr; ++r) {
@@ -856,9 +958,11 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
       const int64_t h = hkv * G + g;
       for (int64_t r = 0; r < nr; ++r) bwd_row(P, b, h, r0, r, w);
       tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
-      gemm64(nr, BK, P.Dv, w.dO64, P.Dv, 1, w.vt64, BK, w.dp64, BK);
+      exact_rows(P, nr, w.kr, Dp, kw, w);
+      gemm_dp(nr, BK, P.Dv, w.dO, P.Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, true);
       for (int64_t r = 0; r < nr; ++r) {
         float* srow = w.s + r * BK;
+        const float* lorow = P.score_lo && w.exact[r] ? w.slo + r * BK : nullptr;
         float* prow = w.p + r * BK;
         float* krow = w.ds + r * BK;  // 1 where the weight is kept (dropout), else 0
         const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[r]];
@@ -867,7 +971,7 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
         const V16 mv = v_set(w.mrow[r]);
         const double inv = w.inv_l[r];
         for (int64_t q = 0; q < 4; ++q) {
-          const V16 p = v_mul_f64(v_exp(v_sub(v_load(srow + 16 * q), mv)), inv);
+          const V16 p = v_mul_f64(exp_scores(srow, lorow, q, mv), inv);
           M16 keep = m_bits(0xFFFFu);
           if (P.drop.on) keep = drop_keep(P.drop, w.rowh[r], w.colh + 16 * q);
           v_store(prow + 16 * q, p);

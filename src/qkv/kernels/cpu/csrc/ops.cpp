@@ -201,6 +201,7 @@ Inputs inputs_of(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v
     TORCH_CHECK(in.slopes.numel() == P.H, "qkv_cpu: slopes must hold one value per query head");
     P.mods.slopes = in.slopes.data_ptr<float>();
   }
+  P.score_lo = P.precise_scores && P.mods.cap == 0.0f && !P.mods.slopes ? 1 : 0;
   P.drop.on = dropout_p > 0.0 ? 1 : 0;
   if (P.drop.on) {
     TORCH_CHECK(dropout_p < 1.0 && dropout_seed >= 0, "qkv_cpu: bad dropout arguments");
@@ -605,6 +606,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   // dP the backward computes (a row pass before the column pass; see delta_item)
   at::Tensor delta = at::empty({P.B * P.H * P.Nq}, opts.dtype(at::kDouble));
   P.delta = delta.data_ptr<double>();
+  at::Tensor peaked = at::empty({P.B * P.Hkv * P.lay.nqb}, opts.dtype(at::kByte));
+  P.peaked = peaked.data_ptr<uint8_t>();
   {
     int64_t next = 0;
     int32_t error = 0;

@@ -13,6 +13,14 @@ constexpr int32_t TILE_FULL = -1;   // tile code of a FULL tile (no mask arithme
 constexpr int64_t CHAIN = 16;       // products per float chain of a precise score (gemm_chain)
 enum Dtype : int32_t { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
+// A precise score x (double) is kept as its float rounding hi and this low part, x − hi rounded
+// to float (0 where x is not finite): the softmax takes exp((hi − m) + lo), accurate to the
+// rounding of that small difference rather than of the score (docs/cpu.md, Accuracy).
+static inline float score_lo(double x, float hi) {
+  const double d = x - (double)hi;
+  return d == d ? (float)d : 0.0f;
+}
+
 // A (B, H, N, D) tensor: data and element strides of its first three dims (the last is dense).
 struct View {
   const void* data;
@@ -65,6 +73,7 @@ struct Problem {
   int32_t dtype;
   int32_t precise_scores;  // 1: float chains of CHAIN products summed in double (float32 inputs), 0: one float sum
   int32_t dot_scores;    // 1: scores as per-key dot products (decoding: Nq·G ≤ 16), 0: gemm
+  int32_t score_lo;      // 1: precise scores without modifiers: exp reads (s − m) + s_lo (score_lo)
   int32_t stream_out;    // 1: output rows written with non-temporal stores (large float32 out)
   View q, k, v, out, dout;
   float* m;            // (B, H, Nq) row max of the scores (kernel's own units)
@@ -72,6 +81,7 @@ struct Problem {
   float* lse;          // (B, H, Nq) natural lse for the caller
   const float* dlse;   // (B, H, Nq) gradient of lse, or null
   double* delta;       // (B, H, Nq) the backward's Δ from its row pass, or null
+  uint8_t* peaked;     // (B, Hkv, query tiles) 1: the tile holds a peaked row (delta_item)
   void* dq;            // (B, H, Nq, D) contiguous, dtype
   void* dk;            // (B, Hkv, Nk, D)
   void* dv;            // (B, Hkv, Nk, Dv)

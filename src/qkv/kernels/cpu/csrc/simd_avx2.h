@@ -360,10 +360,12 @@ static inline void widen8(__m256 x, __m256d& lo, __m256d& hi) {
 // small array in L1 between chains. One out-of-line copy per row count, its chain loop unrolled
 // by 8: inlined copies and a fully unrolled 16-step loop ran slower (code size), a 16-trip
 // loop's exit costs a mispredict.
+// With D (double, ld ldc) instead of C: D = Σ_c chain_c, neither scaled nor rounded (the
+// backward's dP, gemm_dp).
 template <int MR>
 __attribute__((noinline)) static void micro_scores(int64_t K, const float* A, int64_t sam,
                                                    const float* B, int64_t ldb, float* C,
-                                                   int64_t ldc, double scale) {
+                                                   int64_t ldc, double scale, double* D = nullptr) {
   alignas(32) double t[MR][16];
   for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
     const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
@@ -384,6 +386,13 @@ __attribute__((noinline)) static void micro_scores(int64_t K, const float* A, in
           _mm256_store_pd(tv + 4, _mm256_add_pd(_mm256_load_pd(tv + 4), hi));
         }
       }
+  }
+  if (D) {
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) _mm256_storeu_pd(D + m * ldc + 4 * v, _mm256_load_pd(t[m] + 4 * v));
+    return;
   }
   const __m256d sc = _mm256_set1_pd(scale);
 #pragma GCC unroll 8
@@ -453,24 +462,54 @@ static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t 
     }
 }
 
-// The backward's accumulations: D[m·ldd + n] += double(float Σ_k A[m·sam + k·sak]·B[k·ldb + n]),
-// the float sum gemm's chain (the same bits as gemm into a float tile, then add_f64), added
-// from the registers. N a multiple of 16; tmp unused here.
+// The backward's accumulations: D[m·ldd + n] += Σ_c double(chain_c), chain c the float sum
+// (gemm's chain: fused, from 0, in order) of A[m·sam + k·sak]·B[k·ldb + n] over k = 16c …
+// 16c + 15 (CHAIN), each widened and added from the registers in order of c: the same bits as
+// backward_ops.h's gemm_acc. N a multiple of 16; tmp unused here.
 static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
                      const float* B, int64_t ldb, double* D, int64_t ldd, float*) {
   for (int64_t n0 = 0; n0 < N; n0 += 16)
+    for (int64_t m0 = 0; m0 < M; m0 += 6)
+      for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
+        const int64_t mr = M - m0 < 6 ? M - m0 : 6, kc = K - k0 < CHAIN ? K - k0 : CHAIN;
+        const float* a = A + m0 * sam + k0 * sak;
+        const float* b = B + n0 + k0 * ldb;
+        double* d = D + m0 * ldd + n0;
+        switch (mr) {
+          case 1: micro_pv<1>(kc, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+          case 2: micro_pv<2>(kc, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+          case 3: micro_pv<3>(kc, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+          case 4: micro_pv<4>(kc, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+          case 5: micro_pv<5>(kc, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+          default: micro_pv<6>(kc, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+        }
+      }
+}
+
+// The backward's dP[M×N] (double, ld ldc) = dO[M×K]·Vᵀ[K×N]: with `exact`, gemm64 over dO and Vᵀ
+// in double (a64, ld K; b64, ld ldb): products exact, sums in double; else (a query tile with no
+// peaked row, docs/cpu.md, Accuracy) the scores' arithmetic over the float copies (a, ld lda; b,
+// ld ldb): float chains of CHAIN products summed in double, neither scaled nor rounded, at about
+// the float rate where gemm64 runs at half of it. N a multiple of 16.
+static void gemm_dp(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const double* a64,
+                    const float* b, const double* b64, int64_t ldb, double* C, int64_t ldc,
+                    bool exact) {
+  if (exact) {
+    gemm64(M, N, K, a64, K, 1, b64, ldb, C, ldc);
+    return;
+  }
+  for (int64_t n0 = 0; n0 < N; n0 += 16)
     for (int64_t m0 = 0; m0 < M; m0 += 6) {
       const int64_t mr = M - m0 < 6 ? M - m0 : 6;
-      const float* a = A + m0 * sam;
-      const float* b = B + n0;
-      double* d = D + m0 * ldd + n0;
+      const float* am = a + m0 * lda;
+      double* c = C + m0 * ldc + n0;
       switch (mr) {
-        case 1: micro_pv<1>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
-        case 2: micro_pv<2>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
-        case 3: micro_pv<3>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
-        case 4: micro_pv<4>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
-        case 5: micro_pv<5>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
-        default: micro_pv<6>(K, a, sam, sak, b, ldb, d, ldd, nullptr); break;
+        case 1: micro_scores<1>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c); break;
+        case 2: micro_scores<2>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c); break;
+        case 3: micro_scores<3>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c); break;
+        case 4: micro_scores<4>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c); break;
+        case 5: micro_scores<5>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c); break;
+        default: micro_scores<6>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c); break;
       }
     }
 }
@@ -496,7 +535,7 @@ static inline double hsum4d(__m256d x) {
 // count GCC kept them on the stack: a store and a load per product).
 template <int NR>
 static inline void dot_rows64_n(const double* q, int64_t ldq, const float* k, int64_t n,
-                                float* out, int64_t lds, double scale) {
+                                float* out, float* out_lo, int64_t lds, double scale) {
   const int64_t n8 = n & ~int64_t(7);
   __m256d a[NR][2];
 #pragma GCC unroll 4
@@ -516,19 +555,22 @@ static inline void dot_rows64_n(const double* q, int64_t ldq, const float* k, in
     const double* qr = q + r * ldq;
     double s = hsum4d(_mm256_add_pd(a[r][0], a[r][1]));
     for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
-    out[r * lds] = (float)(s * scale);
+    const double x = s * scale;
+    out[r * lds] = (float)x;
+    out_lo[r * lds] = score_lo(x, (float)x);
   }
 }
+// out = float(scale · q·k), out_lo its low part (score_lo)
 static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const float* k, int64_t n,
-                              float* out, int64_t lds, double scale) {
+                              float* out, float* out_lo, int64_t lds, double scale) {
   for (int64_t r0 = 0; r0 < M; r0 += 4) {
     const double* qr = q + r0 * ldq;
-    float* o = out + r0 * lds;
+    float *o = out + r0 * lds, *ol = out_lo + r0 * lds;
     switch (M - r0 < 4 ? M - r0 : 4) {
-      case 1: dot_rows64_n<1>(qr, ldq, k, n, o, lds, scale); break;
-      case 2: dot_rows64_n<2>(qr, ldq, k, n, o, lds, scale); break;
-      case 3: dot_rows64_n<3>(qr, ldq, k, n, o, lds, scale); break;
-      default: dot_rows64_n<4>(qr, ldq, k, n, o, lds, scale); break;
+      case 1: dot_rows64_n<1>(qr, ldq, k, n, o, ol, lds, scale); break;
+      case 2: dot_rows64_n<2>(qr, ldq, k, n, o, ol, lds, scale); break;
+      case 3: dot_rows64_n<3>(qr, ldq, k, n, o, ol, lds, scale); break;
+      default: dot_rows64_n<4>(qr, ldq, k, n, o, ol, lds, scale); break;
     }
   }
 }

@@ -4,7 +4,7 @@
 // V16 is 16 floats (the unit of the elementwise passes: a 64-key tile row is 4 of them), M16 a
 // lane mask, U16 16 uint32 lanes (the dropout hash). gemm() is the register-blocked
 // micro-kernel of the float products (gemm_chain of the chained ones); backward_ops.h, included
-// at the end, builds the backward's gemm_acc from gemm and add_f64.
+// at the end, builds the backward's gemm_acc and gemm_dp from gemm, add_f64 and gemm64.
 
 #define QKV_ISA_NAME "avx512"
 
@@ -424,11 +424,12 @@ static inline void acc_chains(double* acc, const float* x, int64_t stride, int64
   }
 }
 
-// out[r·lds] = Σ_d q[r][d]·k[d] for rows r < M: the decoding form of the scores (one key row
-// against few query rows). Sums run in 8 double lanes over d, then the lanes in a fixed tree;
-// tails past a multiple of 8 are summed after, in order. float: 16 float lanes likewise.
+// out[r·lds] = float(scale · Σ_d q[r][d]·k[d]) for rows r < M, out_lo its low part (score_lo):
+// the scores of few query rows against one key row (decoding; rows whose scores the kernel
+// forms exactly). Sums run in 8 double lanes over d, then the lanes in a fixed tree; tails past
+// a multiple of 8 are summed after, in order. float: 16 float lanes likewise.
 static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const float* k, int64_t n,
-                              float* out, int64_t lds, double scale) {
+                              float* out, float* out_lo, int64_t lds, double scale) {
   const int64_t n8 = n & ~int64_t(7);
   for (int64_t r0 = 0; r0 < M; r0 += 4) {  // four rows share each widened chunk of k
     const int64_t nr = M - r0 < 4 ? M - r0 : 4;
@@ -443,7 +444,9 @@ static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const flo
       const double* qr = q + (r0 + r) * ldq;
       double s = _mm512_reduce_add_pd(acc[r]);
       for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
-      out[(r0 + r) * lds] = (float)(s * scale);
+      const double x = s * scale;
+      out[(r0 + r) * lds] = (float)x;
+      out_lo[(r0 + r) * lds] = score_lo(x, (float)x);
     }
   }
 }

@@ -220,12 +220,14 @@ static inline void acc_chains(double* acc, const float* x, int64_t stride, int64
 }
 
 static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const float* k, int64_t n,
-                              float* out, int64_t lds, double scale) {
+                              float* out, float* out_lo, int64_t lds, double scale) {
   for (int64_t r = 0; r < M; ++r) {
     const double* qr = q + r * ldq;
     double s = 0.0;
     for (int64_t d = 0; d < n; ++d) s = s + qr[d] * (double)k[d];
-    out[r * lds] = (float)(s * scale);
+    const double x = s * scale;
+    out[r * lds] = (float)x;
+    out_lo[r * lds] = score_lo(x, (float)x);
   }
 }
 static inline void dot_rows32(const float* q, int64_t ldq, int64_t M, const float* k, int64_t n,
