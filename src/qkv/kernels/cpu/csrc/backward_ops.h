@@ -14,7 +14,6 @@ static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sa
   }
 }
 
-
 // The backward's dP[M×N] (double, ld ldc) = dO[M×K]·Vᵀ[K×N] from the double copies (a64, ld K;
 // b64, ld ldb): products exact, sums in double, for every tile (the float copies and `exact`
 // are for ISAs with a faster form).

@@ -14,8 +14,9 @@ constexpr int64_t CHAIN = 16;       // products per float chain of a precise sco
 enum Dtype : int32_t { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 // A precise score x (double) is kept as its float rounding hi and this low part, x − hi rounded
-// to float (0 where x is not finite): the softmax takes exp((hi − m) + lo), accurate to the
-// rounding of that small difference rather than of the score (docs/cpu.md, Accuracy).
+// to float (0 where x is not finite): the softmax takes exp of (hi − m) + lo (kernel.h,
+// exp_scores), accurate to the rounding of that small difference rather than of the score
+// (docs/cpu.md, Accuracy).
 static inline float score_lo(double x, float hi) {
   const double d = x - (double)hi;
   return d == d ? (float)d : 0.0f;
