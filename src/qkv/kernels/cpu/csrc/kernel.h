@@ -460,7 +460,6 @@ static void exact_rows(const Problem& P, int64_t M, const float* krows, int64_t 
     return;
   }
   const double bound = EXACT_BOUND / (w.kmax * P.mods.scale64);
-  const double* q64 = w.q64;
   for (int64_t r = 0; r < M; ++r) {
     w.exact[r] = w.qn[r] > bound;
     if (w.exact[r])
@@ -474,10 +473,15 @@ static void exact_rows(const Problem& P, int64_t M, const float* krows, int64_t 
     int64_t r1 = r0 + 1;
     while (r1 < M && w.exact[r1]) ++r1;
     for (int64_t j = 0; j < kw; ++j)
-      dot_rows64(q64 + r0 * P.Dp, P.Dp, r1 - r0, krows + j * ldk, P.D, w.s + r0 * BK + j,
+      dot_rows64(w.q64 + r0 * P.Dp, P.Dp, r1 - r0, krows + j * ldk, P.D, w.s + r0 * BK + j,
                  w.slo + r0 * BK + j, BK, P.mods.scale64);
     r0 = r1;
   }
+}
+
+// row r's low parts of its scores where exp_scores reads them (exact rows, no modifiers), or null
+static inline const float* lo_row(const Problem& P, const Buf& w, int64_t r) {
+  return P.score_lo && w.exact[r] ? w.slo + r * BK : nullptr;
 }
 
 // ------------------------------------------------------------------------- forward
@@ -615,7 +619,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     exact_rows(P, M, krows, ldk, kw, w);
     for (int64_t R = 0; R < M; ++R) {
       float* srow = w.s + R * BK;
-      const float* lorow = P.score_lo && w.exact[R] ? w.slo + R * BK : nullptr;
+      const float* lorow = lo_row(P, w, R);
       float* prow = w.p + R * BK;
       const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[R]];
       w.alpha[R] = 1.0;
@@ -853,7 +857,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);
         for (int64_t r = 0; r < nr; ++r) {
           float* srow = w.s + r * BK;
-          const float* lorow = P.score_lo && w.exact[r] ? w.slo + r * BK : nullptr;
+          const float* lorow = lo_row(P, w, r);
           float* prow = w.p + r * BK;
           float* dsrow = w.ds + r * BK;
           float* frow = w.dfac + r * BK;
@@ -962,7 +966,7 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
       gemm_dp(nr, BK, P.Dv, w.dO, P.Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, true);
       for (int64_t r = 0; r < nr; ++r) {
         float* srow = w.s + r * BK;
-        const float* lorow = P.score_lo && w.exact[r] ? w.slo + r * BK : nullptr;
+        const float* lorow = lo_row(P, w, r);
         float* prow = w.p + r * BK;
         float* krow = w.ds + r * BK;  // 1 where the weight is kept (dropout), else 0
         const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[r]];
