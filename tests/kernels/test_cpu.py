@@ -459,9 +459,11 @@ def test_float32_matmul_precision_high_scores_in_float_within_the_rule():
 @pytest.mark.parametrize("spread", [1.0, 4.0])
 def test_precise_scores_carry_a_fraction_of_a_float_sums_rounding(spread):
     # With one key the lse is the scaled score itself (l = 1), so it shows the scores' error.
-    # "highest": float chains of 16 products summed in double; "high": one float sum over D.
-    # Over D = 256 the chains carry about a quarter of the long sum's rounding error (16 sums of
-    # 16 terms against one of 256); summed in float across chains it would be the long sum's.
+    # "highest": float chains of 16 products (32 on AVX2) summed in double; "high": one float
+    # sum over D.
+    # Over D = 256 the chains carry a fraction of the long sum's rounding error (16 sums of 16
+    # terms, or 8 of 32, against one of 256); summed in float across chains it would be the long
+    # sum's.
     # At spread 4 (|q|·|k|·scale ≈ 290 > EXACT_BOUND) the rows' scores are formed exactly: the
     # lse then carries little beyond its own rounding to float (half an ulp of the largest).
     g = torch.Generator().manual_seed(5)

@@ -8,10 +8,12 @@
 // split of its kept tiles]); its rows are the tile's rows of all G query heads that share the kv
 // head, so each K/V tile is read and packed once per group. Per kept tile:
 //
-//     S = Q Kᵀ · scale           tile_scores: float chains of 16 products summed in double (fp32)
+//     S = Q Kᵀ · scale           tile_scores: float chains of 16 products (32 on AVX2) summed
+//                                in double (fp32)
 //     t = mods(S)                ALiBi / softcap in float, masked to −inf outside the bits
 //     m' = max(m, rowmax t);  P = exp(t − m');  l = l·α + rowsum P;  α = e^(m − m') in double
-//     acc = acc·α + P V          P V in float chains of 16 keys summed in double, acc in double
+//     acc = acc·α + P V          P V in float chains of 16 keys (a tile on AVX2) summed in double,
+//                                acc in double
 //
 // and at the end out = acc / l, with (m, l) saved for the backward and lse = m + log l returned.
 //
@@ -226,6 +228,9 @@ struct Buf {
   int32_t *slot_of, *free_slots;
   int64_t slot_cap;
   int8_t *glo, *ghi;  // forward: the first and last 16-key chunk each group of 16 rows computes
+  float* ktc;         // forward: KT_SLOTS packed key tiles (w.kt points at one of them)
+  int64_t* ktag;      // forward: which key tile each slot holds, −1 none
+  double* kmaxc;      // forward: each slot's key_norm_max
 };
 
 static inline char* carve(char*& cur, int64_t bytes) {
@@ -288,6 +293,9 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.pool_cap = 0;
   w.slot_of = w.free_slots = nullptr;
   w.slot_cap = 0;
+  w.ktc = nullptr;
+  w.ktag = nullptr;
+  w.kmaxc = nullptr;
   return true;
 }
 
@@ -296,6 +304,9 @@ static void buf_free(Buf& w) {
   free(w.pool);
   free(w.slot_of);
   free(w.free_slots);
+  free(w.ktc);
+  free(w.ktag);
+  free(w.kmaxc);
 }
 
 // ------------------------------------------------------------------------- packing
@@ -360,10 +371,10 @@ static void block_scores(const Problem& P, int64_t M, int64_t N, const float* q,
 
 // Scores of rows q (float, ldq) against the packed key tile: s = round(q·k · scale). For float32
 // inputs at torch's default matmul precision (P.precise_scores; else one float gemm) the
-// products are summed in float chains of CHAIN (16) terms and the chains in double (gemm_chain),
-// so a score carries the roundings of 16-term sums where the float32 reference's carries its
-// whole dot product's D (the same design as P·V's chains); for 16-bit inputs, whose outputs
-// round to 16 bits, float sums suffice.
+// products are summed in float chains of CHAIN (16; AVX2: SCORE_CHAIN, 32) terms and the chains
+// in double (gemm_chain), so a score carries the roundings of 16-term (32-term) sums where the
+// float32 reference's carries its whole dot product's D (the same design as P·V's chains); for
+// 16-bit inputs, whose outputs round to 16 bits, float sums suffice.
 //
 // Decoding (Nq·G ≤ 16 rows) takes the dot-product form instead: each score is summed over d in
 // SIMD lanes straight from the key rows `krows` (no transposed tile; precise: products in
@@ -548,6 +559,35 @@ static int64_t group_spans(const Problem& P, int64_t code, uint64_t edge, int64_
   return narrow ? 16 : M;
 }
 
+// The forward's items of one (b, kv head) come in order of their query tiles (plan_forward), so
+// a worker's next item reads most of the key tiles its last one read (a band: all but a few).
+// Each worker keeps its last packed key tiles, slot j mod KT_SLOTS, and packs a tile only when
+// its slot holds another: the same bits, a transposition (and a key_norm_max) saved per hit.
+constexpr int64_t KT_SLOTS = 16;
+
+static bool ktc_alloc(Buf& w, const Problem& P) {
+  w.ktc = (float*)aligned_alloc(64, (size_t)(KT_SLOTS * P.Dp * BK) * 4);
+  w.ktag = (int64_t*)malloc(KT_SLOTS * 8);
+  w.kmaxc = (double*)malloc(KT_SLOTS * 8);
+  if (!w.ktc || !w.ktag || !w.kmaxc) return false;
+  for (int64_t s = 0; s < KT_SLOTS; ++s) w.ktag[s] = -1;
+  return true;
+}
+
+// Point w.kt at key tile j of (b, hkv), packed, and set w.kmax (precise scores). With `need_kr`
+// (exact rows read the tile's rows from w.kr) the tile is packed afresh and its slot not kept.
+static void fwd_key_tile(const Problem& P, int64_t b, int64_t hkv, int64_t j, int64_t c0,
+                         int64_t kw, bool need_kr, Buf& w) {
+  const int64_t tag = (b * P.Hkv + hkv) * P.lay.nkb + j, slot = j % KT_SLOTS;
+  w.kt = w.ktc + slot * P.Dp * BK;
+  if (w.ktag[slot] != tag) {
+    pack_k(P, b, hkv, c0, kw, w, false, false);
+    w.kmaxc[slot] = P.precise_scores ? key_norm_max(P, w.kt, kw) : 0.0;
+    w.ktag[slot] = need_kr ? -1 : tag;
+  }
+  w.kmax = w.kmaxc[slot];
+}
+
 static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf& w) {
   const Layout& L = P.lay;
   const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, i = it.i;
@@ -574,9 +614,9 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     const float* krows = w.kr;
     int64_t ldk = Dp;
     if (!P.dot_scores) {
-      pack_k(P, b, hkv, c0, kw, w, false, false);
-      if (P.precise_scores) w.kmax = key_norm_max(P, w.kt, kw);
-      if (P.dtype == DT_F32 && kw == BK && P.D == Dp) {  // kt straight from the tensor: no kr
+      const bool whole = P.dtype == DT_F32 && kw == BK && P.D == Dp;  // kt from the tensor, no kr
+      fwd_key_tile(P, b, hkv, j, c0, kw, !whole && P.precise_scores, w);
+      if (whole) {
         krows = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
         ldk = P.k.sn;
       }
@@ -711,6 +751,11 @@ static void forward_worker(const Problem& P, const FwdPlan& F, int64_t* next, in
   Buf w;
   if (!buf_alloc(w, P, F.mmax)) {
     __atomic_store_n(error, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  if (!P.dot_scores && !ktc_alloc(w, P)) {
+    __atomic_store_n(error, 1, __ATOMIC_RELAXED);
+    buf_free(w);
     return;
   }
   for (;;) {

@@ -345,11 +345,11 @@ void plan_forward(const Problem& P, FwdState& S) {
   S.part_base.assign(BH * nqb, -1);
   S.done.assign(BH * nqb, 0);
   int64_t slots = 0;
-  for (int64_t i = 0; i < nqb; ++i) {
-    const int64_t kept = L.row_ptr[i + 1] - L.row_ptr[i];
-    if (kept == 0) continue;
-    const int64_t ns = (kept + per_item - 1) / per_item;
-    for (int64_t bh = 0; bh < BH; ++bh) {
+  for (int64_t bh = 0; bh < BH; ++bh) {  // one head's query tiles in order (fwd_key_tile's cache)
+    for (int64_t i = 0; i < nqb; ++i) {
+      const int64_t kept = L.row_ptr[i + 1] - L.row_ptr[i];
+      if (kept == 0) continue;
+      const int64_t ns = (kept + per_item - 1) / per_item;
       S.nsplit[bh * nqb + i] = (int32_t)ns;
       if (ns > 1) {
         S.part_base[bh * nqb + i] = slots;

@@ -353,8 +353,13 @@ static inline void widen8(__m256 x, __m256d& lo, __m256d& hi) {
   hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
 }
 
-// C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CHAIN
-// fused products from 0, widened to double, added in order, one rounding. MR rows × 16
+// The scores' float chains on AVX2: 32 products (SCORE_CHAIN), not CHAIN (docs/cpu.md,
+// Accuracy): the widening and double adds after each chain cost the scores' micro-kernel about
+// 40% over P·V's at D = 64 with chains of 16, 14% with chains of 32 (perf samples, one core).
+constexpr int64_t SCORE_CHAIN = 2 * CHAIN;
+
+// C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain with chains of
+// SCORE_CHAIN fused products from 0, widened to double, added in order, one rounding. MR rows × 16
 // columns: 2·MR float chains (12 for MR = 6, enough to cover the FMA latency of two pipes),
 // two B vectors and a broadcast in the 16 registers; the double sums of the block live in a
 // small array in L1 between chains. One out-of-line copy per row count, its chain loop unrolled
@@ -367,8 +372,8 @@ __attribute__((noinline)) static void micro_scores(int64_t K, const float* A, in
                                                    const float* B, int64_t ldb, float* C,
                                                    int64_t ldc, double scale, double* D = nullptr) {
   alignas(32) double t[MR][16];
-  for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
-    const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
+  for (int64_t k0 = 0; k0 < K; k0 += SCORE_CHAIN) {
+    const int64_t k1 = K - k0 < SCORE_CHAIN ? K : k0 + SCORE_CHAIN;
     __m256 p[MR][2];
     chain_block<MR>(k0, k1, A, sam, 1, B, ldb, p);
 #pragma GCC unroll 8
@@ -489,7 +494,7 @@ static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sa
 // The backward's dP[M×N] (double, ld ldc) = dO[M×K]·Vᵀ[K×N]: with `exact`, gemm64 over dO and Vᵀ
 // in double (a64, ld K; b64, ld ldb): products exact, sums in double; else (a query tile with no
 // peaked row, docs/cpu.md, Accuracy) the scores' arithmetic over the float copies (a, ld lda; b,
-// ld ldb): float chains of CHAIN products summed in double, neither scaled nor rounded, at about
+// ld ldb): float chains of SCORE_CHAIN products summed in double, neither scaled nor rounded, at about
 // the float rate where gemm64 runs at half of it. N a multiple of 16.
 static void gemm_dp(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const double* a64,
                     const float* b, const double* b64, int64_t ldb, double* C, int64_t ldc,
