@@ -208,6 +208,21 @@ static void gemm_zero_safe(int64_t M, int64_t N, int64_t K, const float* A, int6
   }
 }
 
+// D[m·ldd + n] += Σ_k A[m·sam + k·sak] · B[k·ldb + n] with every product (of two floats: exact)
+// and every sum in double: the backward's accumulations of small gradients (exact_sums in
+// ops.cpp), in place of gemm_acc's float chains.
+static void gemm_acc_f64(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
+                         int64_t sak, const float* B, int64_t ldb, double* D, int64_t ldd) {
+  for (int64_t m = 0; m < M; ++m) {
+    double* d = D + m * ldd;
+    for (int64_t k = 0; k < K; ++k) {
+      const double a = (double)A[m * sam + k * sak];
+      const float* b = B + k * ldb;
+      for (int64_t n = 0; n < N; ++n) d[n] += a * (double)b[n];
+    }
+  }
+}
+
 // ------------------------------------------------------------------------- per-worker buffers
 
 struct Buf {
@@ -931,9 +946,17 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
             v_store(dsrow + 16 * q, ds);
           }
         }
-        gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp, w.o);
-        gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp, w.o);
-        gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp, w.o);
+        if (P.exact_dkv) {
+          gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp);
+          gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp);
+        } else {
+          gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp, w.o);
+          gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp, w.o);
+        }
+        if (P.exact_dq)
+          gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp);
+        else
+          gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp, w.o);
       }
     }
     if (e1 > e0) {

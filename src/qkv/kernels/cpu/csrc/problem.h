@@ -76,6 +76,8 @@ struct Problem {
   int32_t dot_scores;    // 1: scores as per-key dot products (decoding: Nq·G ≤ 16), 0: gemm
   int32_t score_lo;      // 1: precise scores without modifiers: exp reads (s − m) + s_lo (score_lo)
   int32_t stream_out;    // 1: output rows written with non-temporal stores (large float32 out)
+  int32_t exact_dkv;     // backward, 1: dK and dV summed exactly (small float32 gradients)
+  int32_t exact_dq;      // backward, 1: dQ summed exactly (gemm_acc_f64)
   View q, k, v, out, dout;
   float* m;            // (B, H, Nq) row max of the scores (kernel's own units)
   double* l;           // (B, H, Nq) softmax denominator, relative to m
