@@ -17,6 +17,7 @@ static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sa
 // The backward's dP[M×N] (double, ld ldc) = dO[M×K]·Vᵀ[K×N] from the double copies (a64, ld K;
 // b64, ld ldb): products exact, sums in double, for every tile (the float copies and `exact`
 // are for ISAs with a faster form).
+constexpr bool DP_FLOAT_CHAINS = false;  // gemm_dp is exact in every tile
 static void gemm_dp(int64_t M, int64_t N, int64_t K, const float*, int64_t, const double* a64,
                     const float*, const double* b64, int64_t ldb, double* C, int64_t ldc, bool) {
   gemm64(M, N, K, a64, K, 1, b64, ldb, C, ldc);

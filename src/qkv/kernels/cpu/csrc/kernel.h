@@ -823,29 +823,25 @@ static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv
   write_dq(P, b, hkv, r0, nr, sum, w.tmp);
 }
 
-// K_j, V_j of (b, hkv) as the backward reads them: rows and transposed, in double where its
-// sums are exact, and the dropout hashes of their columns.
+// K_j, V_j of (b, hkv) as the backward reads them: rows and transposed (Vᵀ in double only where
+// dP needs it, dp_operands), and the dropout hashes of their columns.
 static inline void bwd_pack(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw,
                             Buf& w) {
   pack_k(P, b, hkv, c0, kw, w, true, true);
   pack_v(P, b, hkv, c0, kw, w, true, true);
-  for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
   if (P.precise_scores && !P.dot_scores) w.kmax = key_norm_max(P, w.kt, kw);
   if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
 }
 
-// Row r of a tile, query row r0 + r of head h, as the backward reads it: q, dO (float and
-// double), 1/l, m, the ALiBi slope, the position, the mask-bit offset, the dropout hash. The
-// column pass (bwd_item) and the row pass (delta_item) both load rows with it, so the row pass
-// recomputes P and dP from the very same inputs.
+// Row r of a tile, query row r0 + r of head h, as the backward reads it: q, dO (in double only
+// where dP needs it, dp_operands), 1/l, m, the ALiBi slope, the position, the mask-bit offset,
+// the dropout hash. The column pass (bwd_item) and the row pass (delta_item) both load rows with
+// it, so the row pass recomputes P and dP from the very same inputs.
 static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r, Buf& w) {
   const Layout& L = P.lay;
   const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
   load_q(P, b, h, r0 + r, w.q + r * P.Dp, w.q64 + r * P.Dp, w.qn + r);
-  float* dor = w.dO + r * P.Dvp;
-  double* dor64 = w.dO64 + r * P.Dv;
-  load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, dor);
-  for (int64_t d = 0; d < P.Dv; ++d) dor64[d] = (double)dor[d];
+  load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, w.dO + r * P.Dvp);
   const double lr = P.l[idx];
   w.inv_l[r] = lr > 0.0 ? 1.0 / lr : 0.0;
   w.mrow[r] = P.m[idx];
@@ -853,6 +849,18 @@ static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, i
   w.qpos[r] = r0 + r + P.Nk - P.Nq;
   w.bitoff[r] = ((L.bm > 1 ? b : 0) * L.hm + (L.hm > 1 ? h : 0)) * L.bq + r;
   if (P.drop.on) w.rowh[r] = drop_row_hash(P.drop, b * P.H + h, r0 + r);
+}
+
+// dP's operands in double, where gemm_dp takes its exact form (`exact`: a query tile holding a
+// peaked row; every tile where the ISA has no float form, DP_FLOAT_CHAINS): the packed column's
+// Vᵀ once per column (vt_ready) and the nr dO rows of the tile.
+static inline void dp_operands(const Problem& P, int64_t nr, bool& vt_ready, Buf& w) {
+  if (!vt_ready) {
+    for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
+    vt_ready = true;
+  }
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t d = 0; d < P.Dv; ++d) w.dO64[r * P.Dv + d] = (double)w.dO[r * P.Dvp + d];
 }
 
 static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf& w) {
@@ -886,6 +894,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
   const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
   const int64_t es = elem_size(P.dtype);
+  bool vt_ready = false;
   for (int64_t j = j0; j < j1; ++j) {
     while (next_first < t1 && Bp.t_first[next_first] == j) {
       const int32_t s = w.free_slots[--n_free];
@@ -898,6 +907,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
     if (e1 > e0) {
       bwd_pack(P, b, hkv, c0, kw, w);
+      vt_ready = false;
       __builtin_memset(w.dk64, 0, (size_t)(BK * Dp) * 8);
       __builtin_memset(w.dv64, 0, (size_t)(BK * Dvp) * 8);
     }
@@ -914,6 +924,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         }
         tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
         exact_rows(P, nr, w.kr, Dp, kw, w);
+        if (exact || !DP_FLOAT_CHAINS) dp_operands(P, nr, vt_ready, w);
         gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);
         for (int64_t r = 0; r < nr; ++r) {
           float* srow = w.s + r * BK;
@@ -1026,11 +1037,13 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
     const int64_t j = L.col_idx[e], code = L.code[e], c0 = tile_c0(P, j), kw = tile_kw(P, j);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
     bwd_pack(P, b, hkv, c0, kw, w);
+    bool vt_ready = false;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = hkv * G + g;
       for (int64_t r = 0; r < nr; ++r) bwd_row(P, b, h, r0, r, w);
       tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
       exact_rows(P, nr, w.kr, Dp, kw, w);
+      dp_operands(P, nr, vt_ready, w);
       gemm_dp(nr, BK, P.Dv, w.dO, P.Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, true);
       for (int64_t r = 0; r < nr; ++r) {
         float* srow = w.s + r * BK;

@@ -496,6 +496,7 @@ static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sa
 // peaked row, docs/cpu.md, Accuracy) the scores' arithmetic over the float copies (a, ld lda; b,
 // ld ldb): float chains of SCORE_CHAIN products summed in double, neither scaled nor rounded, at about
 // the float rate where gemm64 runs at half of it. N a multiple of 16.
+constexpr bool DP_FLOAT_CHAINS = true;  // gemm_dp has a float form (tiles without a peaked row)
 static void gemm_dp(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const double* a64,
                     const float* b, const double* b64, int64_t ldb, double* C, int64_t ldc,
                     bool exact) {
