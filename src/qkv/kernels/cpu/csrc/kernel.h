@@ -27,7 +27,8 @@
 //     before, delta_item);  dS = P ∘ float(dP − Δ)
 //     dV_j += Pᵀ dO;  dK_j += dSᵀ Q;  dQ_i += dS K_j
 //
-// each product in float over ≤ 64 terms (one tile, one head), summed across tiles in double.
+// each product in float chains of CHAIN terms (32 on AVX2; exactly, in double, for small
+// gradients: exact_sums in ops.cpp) summed in double, within and across tiles.
 // dQ tiles live in a small pool while the chunk's columns reach them (see BwdPlan).
 
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
