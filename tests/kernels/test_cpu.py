@@ -243,6 +243,29 @@ def test_empty_sequences():
     assert (q.grad == 0).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_backward_tiles_the_queries_by_its_own_block_size(monkeypatch, causal):
+    # The causal backward takes tiles of 128 rows where the forward takes 256 (default_block_q):
+    # the forward's weights are recomputed bit for bit whatever the tiling, so the gradients
+    # keep the rule.
+    from qkv.kernels import cpu_op
+    from qkv.kernels.cpu_backend import default_block_q
+
+    seen = []
+    real = cpu_op.cpu_backward
+
+    def spy(*args):
+        seen.append(args[-3])  # (…, block_q, precise_scores, isa)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_op, "cpu_backward", spy)
+    q, k, v = make_qkv(B=1, H=2, Nq=600, D=32, requires_grad=True)
+    _check_grads(CpuBackend(), q, k, v, torch.float32, causal=causal)
+    assert seen == [default_block_q(1, False, causal, backward=True)]
+    assert default_block_q(1, False, causal) == 256
+    assert seen[0] == (128 if causal else 256)
+
+
 def test_results_do_not_depend_on_the_thread_count():
     # Work is cut by the problem (up to 4 threads), and partial results merge in a fixed order.
     q, k, v = make_qkv(B=1, H=2, Nq=300, Nk=2000, D=32, requires_grad=True)

@@ -141,18 +141,21 @@ def _(dout, dlse, q, k, v, *args):
 
 class CpuAttention(torch.autograd.Function):
     """Autograd around the two ops: `apply(q, k, v, mask, seed, slopes, scale, causal,
-    dropout_p, softcap, alibi_after, rule, held, block_q, precise_scores, isa)` →
-    `(out, lse, m, l)`."""
+    dropout_p, softcap, alibi_after, rule, held, block_q, precise_scores, isa, backward_block_q)`
+    → `(out, lse, m, l)`. The backward tiles the queries by `backward_block_q` rows: a score has
+    the same bits whatever its tile, so the backward recomputes the forward's weights exactly."""
 
     @staticmethod
     def forward(q, k, v, *args):  # type: ignore[override]
-        return cpu_forward(q, k, v, *args)
+        return cpu_forward(q, k, v, *args[:-1])
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
         q, k, v, mask, seed, slopes, *rest = inputs
         out, _, m, l = output
         ctx.save_for_backward(q, k, v, out, m, l, mask, seed, slopes)
+        *rest, backward_block_q = rest
+        rest[-3] = backward_block_q  # (…, block_q, precise_scores, isa)
         ctx.args = tuple(rest)
         if not torch.compiler.is_compiling():  # eager: the Mask lives until the backward
             ctx.alive = (lookup(rest[-5]), lookup(rest[-4]))
@@ -166,4 +169,4 @@ class CpuAttention(torch.autograd.Function):
             if dout is None:
                 dout = torch.zeros_like(out)
             grads = cpu_backward(dout, dlse, q, k, v, out, m, l, mask, seed, slopes, *ctx.args)
-        return *once_differentiable("cpu", grads, (q, k, v)), *([None] * 13)
+        return *once_differentiable("cpu", grads, (q, k, v)), *([None] * 14)
