@@ -56,14 +56,15 @@ FORWARD_FAST_ISAS = ("avx512",)
 DECODE_ROWS = 16
 
 
+# Query rows per tile, measured by pairs of calls (docs/cpu.md, the machine table's last column):
+# on the Zen 3 AMD EPYC, 2 cores, N = 4096, D = 64, 256 rows against 128 took 0.92–0.97 of the
+# time in the dense and causal forward and 0.94 in the dense forward + backward, but 1.07 in the
+# causal backward; a mask's 64 rows against 128 took 0.93 in the sliding window's fwd + bwd.
 def default_block_q(groups: int, masked: bool, causal: bool = False, backward: bool = False) -> int:
     """Query rows per tile: 64 with a mask (finer skipping); without one 256 (dense and causal:
     each packed key tile serves more rows), except the causal backward's 128 (it computes its
     diagonal tiles whole); fewer when G query heads share a kv head (an item's rows are the
-    tile's rows of all G heads), but at least 16. Measured by pairs of calls (2 cores, AMD EPYC
-    Zen 3, N = 4096, D = 64; docs/cpu.md): 256 rows against 128 took 0.92–0.97 of the time in the
-    dense and causal forward and 0.94 in the dense forward + backward, and 1.07 in the causal
-    backward; a mask's 64 against 128 rows took 0.93 in the sliding window's forward + backward."""
+    tile's rows of all G heads), but at least 16."""
     rows = 64 if masked else 128 if causal and backward else 256
     bq = rows
     while bq > 16 and bq * groups > rows:
