@@ -51,6 +51,46 @@ def test_every_path_this_cpu_has_matches_the_golden(monkeypatch, name):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+def _all_results(monkeypatch, name, case):
+    monkeypatch.setenv(isa.ENV, name)
+    q, k, v = make_qkv(**case["shape"], dtype=case.get("dtype", torch.float32), requires_grad=True)
+    out, lse = qkv.attention(
+        q,
+        k,
+        v,
+        mask=case.get("mask"),
+        causal=case.get("causal", False),
+        backend="cpu",
+        return_lse=True,
+    )
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out).mul_(0.5).add_(out.detach()))
+    return [out, lse, *grads]
+
+
+BIT_CASES = [
+    {"shape": dict(B=1, H=4, Nq=300, D=64)},  # dense, 16-key tails
+    {"shape": dict(B=1, H=4, Hkv=2, Nq=513, D=64), "causal": True},  # GQA
+    {"shape": dict(B=1, H=2, Nq=700, D=40), "mask": qkv.masks.sliding_window(100)},
+    {"shape": dict(B=1, H=2, Nq=256, D=128), "causal": True, "dtype": torch.bfloat16},
+    {"shape": dict(B=1, H=8, Hkv=2, Nq=1, Nk=900, D=64)},  # decoding
+]
+
+
+@pytest.mark.parametrize("case", BIT_CASES, ids=["dense", "causal-gqa", "window", "bf16", "decode"])
+def test_avx512_and_avx2_give_the_same_bits(monkeypatch, case):
+    """The AVX-512 path forms the scores, P·V and the backward's sums in the AVX2 path's chains
+    (32 products, one chain per tile span, 32 terms) with the same exponential, so where a CPU
+    has both the two agree to the bit: a change to one path's arithmetic shows here."""
+    if not (OPS.isa_supported("avx512") and OPS.isa_supported("avx2")):
+        pytest.skip("this CPU lacks AVX-512 (or AVX2)")
+    wide, narrow = (
+        _all_results(monkeypatch, "avx512", case),
+        _all_results(monkeypatch, "avx2", case),
+    )
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), wide, narrow, strict=True):
+        assert torch.equal(a, b), f"{name}: max diff {(a.double() - b.double()).abs().max():.3e}"
+
+
 @pytest.mark.parametrize("value", ["bogus", "avx512x"])
 def test_a_bad_isa_request_is_a_reason_not_a_crash(monkeypatch, value):
     monkeypatch.setenv(isa.ENV, value)

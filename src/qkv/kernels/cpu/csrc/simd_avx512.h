@@ -3,8 +3,8 @@
 //
 // V16 is 16 floats (the unit of the elementwise passes: a 64-key tile row is 4 of them), M16 a
 // lane mask, U16 16 uint32 lanes (the dropout hash). gemm() is the register-blocked
-// micro-kernel of the float products (gemm_chain of the chained ones); backward_ops.h, included
-// at the end, builds the backward's gemm_acc and gemm_dp from gemm, add_f64 and gemm64.
+// micro-kernel of the float products (gemm_chain of the chained ones, gemm_acc and gemm_dp the
+// backward's).
 
 #define QKV_ISA_NAME "avx512"
 
@@ -45,27 +45,24 @@ static inline V16 v_absdist(int32_t base) {
   return {_mm512_cvtepi32_ps(_mm512_abs_epi32(d))};
 }
 
-// exp(x) in float: x = n·ln2 + r, |r| ≤ ln2/2, e^r by its Taylor series to r^7 (truncation
-// < 0.1 ulp) with one rounding at the end (1 + r·q), scaled by 2^n. exp(0) = 1 exactly,
-// exp(−inf) = 0, NaN stays NaN; results below FLT_MIN are flushed to 0.
+// exp(x) for x ≤ 0 (the softmax's s − m; small positive x from a score's low part also fine),
+// 0 below −87.34 (where the float result would be subnormal), NaN for NaN: the AVX2 path's
+// exp8 (simd_avx2.h) on 16 lanes, the same bits: n = round(x·log2 e) by the shifter (1.5·2^23
+// added in a fused multiply-add), r = x − n·ln 2 in two parts, e^r by the degree-6 minimax
+// polynomial, times 2^n (vscalefps: the same correctly rounded product as exp8's multiply).
 static inline V16 v_exp(V16 x) {
-  const __m512 lo = _mm512_set1_ps(-87.33654475f);
-  __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), _mm512_max_ps(lo, x.v));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  const __m512 lo = _mm512_set1_ps(-87.33654475f), shift = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x.v, _mm512_set1_ps(1.44269504088896341f), shift), shift);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x.v);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 q = _mm512_set1_ps(1.0f / 5040.0f);
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 720.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  __m512 e = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  e = _mm512_scalef_ps(e, n);
-  __mmask16 tiny = _mm512_cmp_ps_mask(x.v, lo, _CMP_LT_OQ);
-  return {_mm512_mask_blend_ps(tiny, e, _mm512_setzero_ps())};
+  __m512 q = _mm512_set1_ps(1.384364309888782e-3f);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.374155394953883e-3f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1668002190237155e-2f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.16666431262047998f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.49999994208555976f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0000000321650493f));
+  const __m512 e = _mm512_scalef_ps(_mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f)), n);
+  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, lo, _CMP_NLT_UQ), e)};
 }
 
 // e^x in double for 8 lanes, |x| ≤ 700: Taylor series to r^13 after reduction by ln2.
@@ -319,20 +316,29 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
   }
 }
 
-// P·V's float chains: CHAIN keys, as the scores'
-constexpr int64_t PV_CHAIN = CHAIN;
+// The chains as the AVX2 path forms them (docs/cpu.md, Accuracy), so both give the same bits:
+// scores (and the backward's float dP) in chains of SCORE_CHAIN products, P·V in one chain per
+// tile span (≤ 64 keys), dQ, dK and dV in chains of ACC_CHAIN. Each chain's widening and double
+// adds cost FP slots the FMAs would use: with chains of 16 they took about a quarter of the
+// scores' micro-kernel at D = 64, and on a CPU that splits 512-bit operations in two (Zen 4) this
+// path ran slower than the AVX2 one.
+constexpr int64_t SCORE_CHAIN = 2 * CHAIN;
+constexpr int64_t PV_CHAIN = BK;
+constexpr int64_t ACC_CHAIN = 2 * CHAIN;
 
 // C = float(scale · Σ_c chain_c) for C[M×N] = A[M×K]·B[K×N], A read as A[m·sam + k], N a
-// multiple of 16: chain c is the sequential fused sum, from 0, of the products k = 16c … 16c+15
-// (as gemm forms it), widened exactly to double; the chains are added in order in double and the
-// sum rounded once. The same (m, n) gets the same bits from any call. Two rows × 64 columns:
-// 16 double sums, 8 float chains, 4 B vectors and a broadcast fit the 32 registers.
+// multiple of 16: chain c is the sequential fused sum, from 0, of the products k = 32c … 32c+31
+// (SCORE_CHAIN, as gemm forms it), widened exactly to double; the chains are added in order in
+// double and the sum rounded once. The same (m, n) gets the same bits from any call. With D
+// (double, same ldc) instead of C: D = Σ_c chain_c, neither scaled nor rounded (the backward's
+// dP, gemm_dp). Four rows × 32 columns: 16 double sums, 8 float chains, 2 B vectors and a
+// broadcast fit the 32 registers.
 template <int MR, int NV>
 static inline void micro_chain(int64_t K, const float* A, int64_t sam, const float* B, int64_t ldb,
-                               float* C, int64_t ldc, double scale, double* D, const double* alpha) {
+                               float* C, int64_t ldc, double scale, double* D) {
   __m512d acc[MR][2 * NV];
-  for (int64_t k0 = 0; k0 < K; k0 += CHAIN) {
-    const int64_t k1 = K - k0 < CHAIN ? K : k0 + CHAIN;
+  for (int64_t k0 = 0; k0 < K; k0 += SCORE_CHAIN) {
+    const int64_t k1 = K - k0 < SCORE_CHAIN ? K : k0 + SCORE_CHAIN;
     __m512 p[MR][NV];
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m)
@@ -361,16 +367,11 @@ static inline void micro_chain(int64_t K, const float* A, int64_t sam, const flo
         acc[m][2 * v + 1] = k0 == 0 ? hi : _mm512_add_pd(acc[m][2 * v + 1], hi);
       }
   }
-  if (D != nullptr) {  // D = D·α + sum, row by row (acc_chains' arithmetic)
+  if (D != nullptr) {
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) {
-      const __m512d am = _mm512_set1_pd(alpha[m]);
+    for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-      for (int v = 0; v < 2 * NV; ++v) {
-        double* d = D + m * ldc + 8 * v;
-        _mm512_storeu_pd(d, _mm512_fmadd_pd(_mm512_loadu_pd(d), am, acc[m][v]));
-      }
-    }
+      for (int v = 0; v < 2 * NV; ++v) _mm512_storeu_pd(D + m * ldc + 8 * v, acc[m][v]);
     return;
   }
   const __m512d sc = _mm512_set1_pd(scale);
@@ -386,21 +387,103 @@ static inline void micro_chain(int64_t K, const float* A, int64_t sam, const flo
     }
 }
 
-// With D (double, same ldc) instead of C: D = D·alpha[m] + the chains' double sum, row m.
+// D = D·α + chain, row m: one float chain of K products (A[m·sam + k·sak], fused, from 0, in
+// order: gemm's chain), widened and added into D straight from the registers (acc_chains'
+// arithmetic for one chain; without alpha, α = 1: D + chain). P·V (K ≤ PV_CHAIN) and the
+// backward's dV, dK and dQ (gemm_acc). Six rows × 64 columns: 24 float chains, 4 B vectors and
+// a broadcast in the 32 registers.
+template <int MR, int NV>
+static inline void micro_pv(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
+                            int64_t ldb, double* D, int64_t ldd, const double* alpha) {
+  __m512 p[MR][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) p[m][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    const float* a = A + k * sak;
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512 av = _mm512_set1_ps(a[m * sam]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) p[m][v] = _mm512_fmadd_ps(av, bv[v], p[m][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    double* d = D + m * ldd;
+    const __m512d am = _mm512_set1_pd(alpha ? alpha[m] : 1.0);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(p[m][v]));
+      const __m512d hi = _mm512_cvtps_pd(
+          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p[m][v]), 1)));
+      double* d0 = d + 16 * v;
+      if (alpha) {
+        _mm512_storeu_pd(d0, _mm512_fmadd_pd(_mm512_loadu_pd(d0), am, lo));
+        _mm512_storeu_pd(d0 + 8, _mm512_fmadd_pd(_mm512_loadu_pd(d0 + 8), am, hi));
+      } else {
+        _mm512_storeu_pd(d0, _mm512_add_pd(_mm512_loadu_pd(d0), lo));
+        _mm512_storeu_pd(d0 + 8, _mm512_add_pd(_mm512_loadu_pd(d0 + 8), hi));
+      }
+    }
+  }
+}
+
+// micro_pv over M rows (blocks of 6) and 64-column blocks of N (N a multiple of 16), K ≤ the
+// caller's chain
+static void pv_blocks(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
+                      const float* B, int64_t ldb, double* D, int64_t ldd, const double* alpha) {
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const int64_t nv = (N - n0) / 16 < 4 ? (N - n0) / 16 : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
+      const float* a = A + m0 * sam;
+      const float* b = B + n0;
+      double* d = D + m0 * ldd + n0;
+      const double* al = alpha ? alpha + m0 : nullptr;
+#define QKV_PV(NVV)                                                      \
+  switch (mr) {                                                          \
+    case 1: micro_pv<1, NVV>(K, a, sam, sak, b, ldb, d, ldd, al); break;   \
+    case 2: micro_pv<2, NVV>(K, a, sam, sak, b, ldb, d, ldd, al); break;   \
+    case 3: micro_pv<3, NVV>(K, a, sam, sak, b, ldb, d, ldd, al); break;   \
+    case 4: micro_pv<4, NVV>(K, a, sam, sak, b, ldb, d, ldd, al); break;   \
+    case 5: micro_pv<5, NVV>(K, a, sam, sak, b, ldb, d, ldd, al); break;   \
+    default: micro_pv<6, NVV>(K, a, sam, sak, b, ldb, d, ldd, al); break; \
+  }
+      switch (nv) {
+        case 1: QKV_PV(1) break;
+        case 2: QKV_PV(2) break;
+        case 3: QKV_PV(3) break;
+        default: QKV_PV(4) break;
+      }
+#undef QKV_PV
+    }
+  }
+}
+
+// The scores (micro_chain). With D (double, same ldc) instead of C: D = D·alpha[m] + the chain's
+// sum, row m (P·V: K ≤ PV_CHAIN, one tile span; micro_pv).
 static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
                        const float* B, int64_t ldb, float* C, int64_t ldc, double scale,
                        double* D = nullptr, const double* alpha = nullptr) {
+  if (D) {
+    pv_blocks(M, N, K, A, sam, 1, B, ldb, D, ldc, alpha);
+    return;
+  }
   for (int64_t n0 = 0; n0 < N; n0 += 32) {
     const bool wide = N - n0 >= 32;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const float* a = A + m0 * sam;
-      float* c = C ? C + m0 * ldc + n0 : nullptr;
-      double* d = D ? D + m0 * ldc + n0 : nullptr;
-      const double* al = alpha ? alpha + m0 : nullptr;
+      float* c = C + m0 * ldc + n0;
       const int64_t mr = M - m0 < 4 ? M - m0 : 4;
-#define QKV_MC(MRR)                                                               \
-  if (wide) micro_chain<MRR, 2>(K, a, sam, B + n0, ldb, c, ldc, scale, d, al);    \
-  else micro_chain<MRR, 1>(K, a, sam, B + n0, ldb, c, ldc, scale, d, al);
+#define QKV_MC(MRR)                                                                  \
+  if (wide) micro_chain<MRR, 2>(K, a, sam, B + n0, ldb, c, ldc, scale, nullptr);     \
+  else micro_chain<MRR, 1>(K, a, sam, B + n0, ldb, c, ldc, scale, nullptr);
       switch (mr) {
         case 1: QKV_MC(1) break;
         case 2: QKV_MC(2) break;
@@ -408,6 +491,50 @@ static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t 
         default: QKV_MC(4) break;
       }
 #undef QKV_MC
+    }
+  }
+}
+
+// The backward's accumulations: D[m·ldd + n] += Σ_c double(chain_c), chain c the float sum
+// (gemm's chain: fused, from 0, in order) of A[m·sam + k·sak]·B[k·ldb + n] over k = 32c …
+// 32c + 31 (ACC_CHAIN), each widened and added from the registers in order of c. N a multiple
+// of 16; tmp unused here.
+static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
+                     const float* B, int64_t ldb, double* D, int64_t ldd, float*) {
+  for (int64_t k0 = 0; k0 < K; k0 += ACC_CHAIN)
+    pv_blocks(M, N, K - k0 < ACC_CHAIN ? K - k0 : ACC_CHAIN, A + k0 * sak, sam, sak,
+              B + k0 * ldb, ldb, D, ldd, nullptr);
+}
+
+// The backward's dP[M×N] (double, ld ldc) = dO[M×K]·Vᵀ[K×N]: with `exact`, gemm64 over dO and Vᵀ
+// in double (a64, ld K; b64, ld ldb): products exact, sums in double; else (a query tile with no
+// peaked row, docs/cpu.md, Accuracy) the scores' arithmetic over the float copies (a, ld lda; b,
+// ld ldb): float chains of SCORE_CHAIN products summed in double, neither scaled nor rounded.
+// N a multiple of 16.
+constexpr bool DP_FLOAT_CHAINS = true;  // gemm_dp has a float form (tiles without a peaked row)
+static void gemm_dp(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const double* a64,
+                    const float* b, const double* b64, int64_t ldb, double* C, int64_t ldc,
+                    bool exact) {
+  if (exact) {
+    gemm64(M, N, K, a64, K, 1, b64, ldb, C, ldc);
+    return;
+  }
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    const bool wide = N - n0 >= 32;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const float* am = a + m0 * lda;
+      double* c = C + m0 * ldc + n0;
+      const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+#define QKV_DP(MRR)                                                                   \
+  if (wide) micro_chain<MRR, 2>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c);       \
+  else micro_chain<MRR, 1>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c);
+      switch (mr) {
+        case 1: QKV_DP(1) break;
+        case 2: QKV_DP(2) break;
+        case 3: QKV_DP(3) break;
+        default: QKV_DP(4) break;
+      }
+#undef QKV_DP
     }
   }
 }
@@ -464,4 +591,3 @@ static inline void dot_rows32(const float* q, int64_t ldq, int64_t M, const floa
   }
 }
 
-#include "backward_ops.h"
