@@ -1,6 +1,6 @@
 """The compiled CPU kernel's error against the error-ratio rule, float32, at torch's two float32
-matmul precisions: "highest" (scores in float chains of 16 products, 32 on AVX2, summed in
-double) and "high" (scores as one float gemm).
+matmul precisions: "highest" (scores in float chains of 32 products, 16 on the portable path,
+summed in double) and "high" (scores as one float gemm).
 
 Over random problems (5 shapes up to N = 200, causal on odd seeds, `--seeds` seeds each) it prints
 the worst share of the rule's allowance used by the output and by dq, dk, dv: max|cpu − golden|

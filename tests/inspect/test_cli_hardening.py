@@ -202,6 +202,20 @@ def test_bench_json_to_stdout_is_the_document_alone(capsys):
 # --------------------------------------------------------------------------- Ctrl-C
 
 
+# A shell that starts a job in the background without job control starts it with SIGINT ignored,
+# and the process and its children inherit that: a Ctrl-C test run so would see no
+# KeyboardInterrupt at all. The tests below give SIGINT Python's own handler first, as a
+# terminal's foreground process has it.
+INT_HANDLER = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
+
+
+@pytest.fixture
+def sigint_raises():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupt_on_run(monkeypatch, at: int) -> list:
     """Send this process a real SIGINT (what Ctrl-C does) when the `at`-th benchmark run starts."""
     import qkv.inspect.bench as bench
@@ -225,7 +239,7 @@ def _main_interrupted(argv: list[str]) -> int:
         pytest.fail("KeyboardInterrupt escaped from main")
 
 
-def test_ctrl_c_during_bench_writes_what_was_measured(monkeypatch, tmp_path, capsys):
+def test_ctrl_c_during_bench_writes_what_was_measured(monkeypatch, tmp_path, capsys, sigint_raises):
     pytest.importorskip("matplotlib")
     _interrupt_on_run(monkeypatch, at=3)
     argv = ["bench", "--sizes", "32,64,128", "--methods", "tiled,naive", "--passes", "forward"]
@@ -242,6 +256,7 @@ def test_ctrl_c_during_bench_writes_what_was_measured(monkeypatch, tmp_path, cap
 
 def test_ctrl_c_in_a_real_process_exits_130_without_a_traceback(tmp_path):
     script = f"""
+{INT_HANDLER}
 import os, signal, sys
 import qkv.inspect.bench as bench
 from qkv.cli import main
@@ -261,7 +276,9 @@ sys.exit(main(["bench", "--sizes", "32,64", "--methods", "tiled", "--passes", "f
     assert len(json.loads((tmp_path / "b.json").read_text())["records"]) == 1
 
 
-def test_ctrl_c_during_demo_writes_the_finished_sections(minilm, monkeypatch, tmp_path, capsys):
+def test_ctrl_c_during_demo_writes_the_finished_sections(
+    minilm, monkeypatch, tmp_path, capsys, sigint_raises
+):
     pytest.importorskip("matplotlib")
     _interrupt_on_run(monkeypatch, at=3)
     out = tmp_path / "demo"

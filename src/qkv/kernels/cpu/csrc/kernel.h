@@ -8,11 +8,11 @@
 // split of its kept tiles]); its rows are the tile's rows of all G query heads that share the kv
 // head, so each K/V tile is read and packed once per group. Per kept tile:
 //
-//     S = Q Kᵀ · scale           tile_scores: float chains of 16 products (32 on AVX2) summed
+//     S = Q Kᵀ · scale           tile_scores: float chains of 32 products (16 portable) summed
 //                                in double (fp32)
 //     t = mods(S)                ALiBi / softcap in float, masked to −inf outside the bits
 //     m' = max(m, rowmax t);  P = exp(t − m');  l = l·α + rowsum P;  α = e^(m − m') in double
-//     acc = acc·α + P V          P V in float chains of 16 keys (a tile on AVX2) summed in double,
+//     acc = acc·α + P V          P V in one float chain per tile (16 keys portable) summed in double,
 //                                acc in double
 //
 // and at the end out = acc / l, with (m, l) saved for the backward and lse = m + log l returned.
@@ -27,7 +27,7 @@
 //     before, delta_item);  dS = P ∘ float(dP − Δ)
 //     dV_j += Pᵀ dO;  dK_j += dSᵀ Q;  dQ_i += dS K_j
 //
-// each product in float chains of CHAIN terms (32 on AVX2; exactly, in double, for small
+// each product in float chains of 32 terms (portable: CHAIN, 16; exactly, in double, for small
 // gradients: exact_sums in ops.cpp) summed in double, within and across tiles.
 // dQ tiles live in a small pool while the chunk's columns reach them (see BwdPlan).
 
@@ -387,8 +387,8 @@ static void block_scores(const Problem& P, int64_t M, int64_t N, const float* q,
 
 // Scores of rows q (float, ldq) against the packed key tile: s = round(q·k · scale). For float32
 // inputs at torch's default matmul precision (P.precise_scores; else one float gemm) the
-// products are summed in float chains of CHAIN (16; AVX2: SCORE_CHAIN, 32) terms and the chains
-// in double (gemm_chain), so a score carries the roundings of 16-term (32-term) sums where the
+// products are summed in float chains of SCORE_CHAIN (32; portable: CHAIN, 16) terms and the
+// chains in double (gemm_chain), so a score carries the roundings of 32-term (16-term) sums where the
 // float32 reference's carries its whole dot product's D (the same design as P·V's chains); for
 // 16-bit inputs, whose outputs round to 16 bits, float sums suffice.
 //
@@ -709,7 +709,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       w.mrow[R] = mnew;
       w.alpha[R] = alpha;
     }
-    // P V in float chains of PV_CHAIN keys (16, or a whole tile on AVX2), summed in double
+    // P V in float chains of PV_CHAIN keys (a whole tile; 16 portable), summed in double
     const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv);
     for (int64_t R0 = 0; R0 < M; R0 += gs) {
       const int64_t gm = imin(gs, M - R0), lo = w.glo[R0 / gs], hi = w.ghi[R0 / gs];

@@ -553,27 +553,42 @@ static inline void acc_chains(double* acc, const float* x, int64_t stride, int64
 
 // out[r·lds] = float(scale · Σ_d q[r][d]·k[d]) for rows r < M, out_lo its low part (score_lo):
 // the scores of few query rows against one key row (decoding; rows whose scores the kernel
-// forms exactly). Sums run in 8 double lanes over d, then the lanes in a fixed tree; tails past
-// a multiple of 8 are summed after, in order. float: 16 float lanes likewise.
+// forms exactly). Sums run in 8 double lanes over d, then the lanes in a fixed tree (the AVX2
+// path's order); tails past a multiple of 8 are summed after, in order. NR rows at a time, NR a
+// template argument so the sums stay in registers (with a runtime row count GCC kept them on
+// the stack: a store and a load per product). float: 16 float lanes likewise.
+template <int NR>
+static inline void dot_rows64_n(const double* q, int64_t ldq, const float* k, int64_t n,
+                                float* out, float* out_lo, int64_t lds, double scale) {
+  const int64_t n8 = n & ~int64_t(7);
+  __m512d acc[NR];
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_pd();
+  for (int64_t d = 0; d < n8; d += 8) {
+    const __m512d kd = _mm512_cvtps_pd(_mm256_loadu_ps(k + d));
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_pd(_mm512_loadu_pd(q + r * ldq + d), kd, acc[r]);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) {
+    const double* qr = q + r * ldq;
+    double s = _mm512_reduce_add_pd(acc[r]);
+    for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
+    const double x = s * scale;
+    out[r * lds] = (float)x;
+    out_lo[r * lds] = score_lo(x, (float)x);
+  }
+}
 static inline void dot_rows64(const double* q, int64_t ldq, int64_t M, const float* k, int64_t n,
                               float* out, float* out_lo, int64_t lds, double scale) {
-  const int64_t n8 = n & ~int64_t(7);
   for (int64_t r0 = 0; r0 < M; r0 += 4) {  // four rows share each widened chunk of k
-    const int64_t nr = M - r0 < 4 ? M - r0 : 4;
-    __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
-                      _mm512_setzero_pd()};
-    for (int64_t d = 0; d < n8; d += 8) {
-      const __m512d kd = _mm512_cvtps_pd(_mm256_loadu_ps(k + d));
-      for (int64_t r = 0; r < nr; ++r)
-        acc[r] = _mm512_fmadd_pd(_mm512_loadu_pd(q + (r0 + r) * ldq + d), kd, acc[r]);
-    }
-    for (int64_t r = 0; r < nr; ++r) {
-      const double* qr = q + (r0 + r) * ldq;
-      double s = _mm512_reduce_add_pd(acc[r]);
-      for (int64_t d = n8; d < n; ++d) s = __builtin_fma(qr[d], (double)k[d], s);
-      const double x = s * scale;
-      out[(r0 + r) * lds] = (float)x;
-      out_lo[(r0 + r) * lds] = score_lo(x, (float)x);
+    const double* qr = q + r0 * ldq;
+    float *o = out + r0 * lds, *ol = out_lo + r0 * lds;
+    switch (M - r0 < 4 ? M - r0 : 4) {
+      case 1: dot_rows64_n<1>(qr, ldq, k, n, o, ol, lds, scale); break;
+      case 2: dot_rows64_n<2>(qr, ldq, k, n, o, ol, lds, scale); break;
+      case 3: dot_rows64_n<3>(qr, ldq, k, n, o, ol, lds, scale); break;
+      default: dot_rows64_n<4>(qr, ldq, k, n, o, ol, lds, scale); break;
     }
   }
 }

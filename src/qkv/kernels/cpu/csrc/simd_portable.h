@@ -181,7 +181,7 @@ static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam
 // P·V's float chains: CHAIN keys, as the scores'
 constexpr int64_t PV_CHAIN = CHAIN;
 
-// C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain: chains of CHAIN
+// C = float(scale · Σ_c chain_c), the AVX-512 gemm_chain's conventions with chains of CHAIN
 // products (madd, from 0), widened to double, added in order, one rounding.
 static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
                        const float* B, int64_t ldb, float* C, int64_t ldc, double scale,
