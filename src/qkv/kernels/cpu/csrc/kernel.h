@@ -868,8 +868,15 @@ static inline void dp_operands(const Problem& P, int64_t nr, bool& vt_ready, Buf
     for (int64_t d = 0; d < P.Dv; ++d) w.dO64[r * P.Dv + d] = (double)w.dO[r * P.Dvp + d];
 }
 
+// The backward's float chains for dQ, dK and dV: ACC_CHAIN terms for float32 inputs (docs/cpu.md,
+// Accuracy: one float sum over a tile's rows broke the rule); for 16-bit inputs, whose gradients
+// round to 16 bits, one chain per tile (≤ 256 terms, a float rounding of ≤ 256·2⁻²⁴ against
+// bf16's 2⁻⁹), summed in double across tiles, as their scores and P·V are plain float sums.
+constexpr int64_t ONE_CHAIN = int64_t(1) << 40;
+
 static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf& w) {
   const Layout& L = P.lay;
+  const int64_t acc_chain = P.dtype == DT_F32 ? ACC_CHAIN : ONE_CHAIN;
   const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, c = it.c;
   const int64_t Dp = P.Dp, Dvp = P.Dvp, code_stride = L.bm * L.hm * bq;
   const int64_t j0 = Bp.chunk_j[c], j1 = Bp.chunk_j[c + 1], t0 = Bp.chunk_t[c], t1 = Bp.chunk_t[c + 1];
@@ -966,13 +973,13 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp);
           gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp);
         } else {
-          gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp, w.o);
-          gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp, w.o);
+          gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp, w.o, acc_chain);
+          gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp, w.o, acc_chain);
         }
         if (P.exact_dq)
           gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp);
         else
-          gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp, w.o);
+          gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp, w.o, acc_chain);
       }
     }
     if (e1 > e0) {

@@ -475,14 +475,15 @@ static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t 
 // 32c + 31 (ACC_CHAIN), each widened and added from the registers in order of c (backward_ops.h's
 // gemm_acc with chains of 32). Chains of 32, not CHAIN, as the scores' (SCORE_CHAIN): with 16
 // the widening and double adds cost these three products about 40% over the forward's one-chain
-// P·V (perf, causal N = 4096 forward + backward). N a multiple of 16; tmp unused here.
+// P·V (perf, causal N = 4096 forward + backward). `chain` terms per chain (ACC_CHAIN, or
+// ONE_CHAIN for 16-bit inputs: one chain per call). N a multiple of 16; tmp unused here.
 constexpr int64_t ACC_CHAIN = 2 * CHAIN;
 static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
-                     const float* B, int64_t ldb, double* D, int64_t ldd, float*) {
+                     const float* B, int64_t ldb, double* D, int64_t ldd, float*, int64_t chain) {
   for (int64_t n0 = 0; n0 < N; n0 += 16)
     for (int64_t m0 = 0; m0 < M; m0 += 6)
-      for (int64_t k0 = 0; k0 < K; k0 += ACC_CHAIN) {
-        const int64_t mr = M - m0 < 6 ? M - m0 : 6, kc = K - k0 < ACC_CHAIN ? K - k0 : ACC_CHAIN;
+      for (int64_t k0 = 0; k0 < K; k0 += chain) {
+        const int64_t mr = M - m0 < 6 ? M - m0 : 6, kc = K - k0 < chain ? K - k0 : chain;
         const float* a = A + m0 * sam + k0 * sak;
         const float* b = B + n0 + k0 * ldb;
         double* d = D + m0 * ldd + n0;

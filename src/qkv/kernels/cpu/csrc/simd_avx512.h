@@ -497,12 +497,12 @@ static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t 
 
 // The backward's accumulations: D[m·ldd + n] += Σ_c double(chain_c), chain c the float sum
 // (gemm's chain: fused, from 0, in order) of A[m·sam + k·sak]·B[k·ldb + n] over k = 32c …
-// 32c + 31 (ACC_CHAIN), each widened and added from the registers in order of c. N a multiple
-// of 16; tmp unused here.
+// 32c + 31 (ACC_CHAIN; `chain` terms, ONE_CHAIN for 16-bit inputs: one chain per call), each
+// widened and added from the registers in order of c. N a multiple of 16; tmp unused here.
 static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
-                     const float* B, int64_t ldb, double* D, int64_t ldd, float*) {
-  for (int64_t k0 = 0; k0 < K; k0 += ACC_CHAIN)
-    pv_blocks(M, N, K - k0 < ACC_CHAIN ? K - k0 : ACC_CHAIN, A + k0 * sak, sam, sak,
+                     const float* B, int64_t ldb, double* D, int64_t ldd, float*, int64_t chain) {
+  for (int64_t k0 = 0; k0 < K; k0 += chain)
+    pv_blocks(M, N, K - k0 < chain ? K - k0 : chain, A + k0 * sak, sam, sak,
               B + k0 * ldb, ldb, D, ldd, nullptr);
 }
 
