@@ -191,15 +191,18 @@ static inline void transpose16(const float* src, int64_t lds, float* dst, int64_
 // A[m·sam + k·sak] (so Aᵀ is read by swapping the strides), B's row k starts at B + k·ldb.
 // Every C element is the sequential sum over k of fused multiply-adds, starting from 0,
 // whatever the blocking: the same (m, n) gets the same bits from any call.
+// p[m][v] = Σ_{k0 ≤ k < k1} A[m·sam + k·sak] · B[k·ldb + 16v …], fused, from 0, in order: the
+// float chain every micro-kernel below forms
 template <int MR, int NV>
-static inline void micro(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
-                         int64_t ldb, float* C, int64_t ldc) {
-  __m512 c[MR][NV];
+static inline __attribute__((always_inline)) void chain_block(int64_t k0, int64_t k1,
+                                                              const float* A, int64_t sam,
+                                                              int64_t sak, const float* B,
+                                                              int64_t ldb, __m512 (&p)[MR][NV]) {
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) c[m][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int v = 0; v < NV; ++v) p[m][v] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
     const float* b = B + k * ldb;
     const float* a = A + k * sak;
     __m512 bv[NV];
@@ -209,9 +212,16 @@ static inline void micro(int64_t K, const float* A, int64_t sam, int64_t sak, co
     for (int m = 0; m < MR; ++m) {
       const __m512 av = _mm512_set1_ps(a[m * sam]);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[m][v] = _mm512_fmadd_ps(av, bv[v], c[m][v]);
+      for (int v = 0; v < NV; ++v) p[m][v] = _mm512_fmadd_ps(av, bv[v], p[m][v]);
     }
   }
+}
+
+template <int MR, int NV>
+static inline void micro(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
+                         int64_t ldb, float* C, int64_t ldc) {
+  __m512 c[MR][NV];
+  chain_block<MR, NV>(0, K, A, sam, sak, B, ldb, c);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -340,22 +350,7 @@ static inline void micro_chain(int64_t K, const float* A, int64_t sam, const flo
   for (int64_t k0 = 0; k0 < K; k0 += SCORE_CHAIN) {
     const int64_t k1 = K - k0 < SCORE_CHAIN ? K : k0 + SCORE_CHAIN;
     __m512 p[MR][NV];
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) p[m][v] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* b = B + k * ldb;
-      __m512 bv[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {
-        const __m512 av = _mm512_set1_ps(A[m * sam + k]);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) p[m][v] = _mm512_fmadd_ps(av, bv[v], p[m][v]);
-      }
-    }
+    chain_block<MR, NV>(k0, k1, A, sam, 1, B, ldb, p);
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -396,23 +391,7 @@ template <int MR, int NV>
 static inline void micro_pv(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
                             int64_t ldb, double* D, int64_t ldd, const double* alpha) {
   __m512 p[MR][NV];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) p[m][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* b = B + k * ldb;
-    const float* a = A + k * sak;
-    __m512 bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m512 av = _mm512_set1_ps(a[m * sam]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) p[m][v] = _mm512_fmadd_ps(av, bv[v], p[m][v]);
-    }
-  }
+  chain_block<MR, NV>(0, K, A, sam, sak, B, ldb, p);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     double* d = D + m * ldd;
