@@ -395,20 +395,41 @@ static inline void micro_pv(int64_t K, const float* A, int64_t sam, int64_t sak,
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     double* d = D + m * ldd;
-    const __m512d am = _mm512_set1_pd(alpha ? alpha[m] : 1.0);
+    const __m512d am = _mm512_set1_pd(alpha ? alpha[m] : 1.0);  // D·1 + x is D + x exactly
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(p[m][v]));
       const __m512d hi = _mm512_cvtps_pd(
           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p[m][v]), 1)));
       double* d0 = d + 16 * v;
-      if (alpha) {
-        _mm512_storeu_pd(d0, _mm512_fmadd_pd(_mm512_loadu_pd(d0), am, lo));
-        _mm512_storeu_pd(d0 + 8, _mm512_fmadd_pd(_mm512_loadu_pd(d0 + 8), am, hi));
-      } else {
-        _mm512_storeu_pd(d0, _mm512_add_pd(_mm512_loadu_pd(d0), lo));
-        _mm512_storeu_pd(d0 + 8, _mm512_add_pd(_mm512_loadu_pd(d0 + 8), hi));
+      _mm512_storeu_pd(d0, _mm512_fmadd_pd(_mm512_loadu_pd(d0), am, lo));
+      _mm512_storeu_pd(d0 + 8, _mm512_fmadd_pd(_mm512_loadu_pd(d0 + 8), am, hi));
+    }
+  }
+}
+
+// micro_chain over M rows (blocks of 4) and 32-column blocks of N (N a multiple of 16): C, or D
+// where C is null
+static void chain_blocks(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
+                         const float* B, int64_t ldb, float* C, double* D, int64_t ldc,
+                         double scale) {
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    const bool wide = N - n0 >= 32;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const float* a = A + m0 * sam;
+      float* c = C ? C + m0 * ldc + n0 : nullptr;
+      double* d = C ? nullptr : D + m0 * ldc + n0;
+      const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+#define QKV_MC(MRR)                                                             \
+  if (wide) micro_chain<MRR, 2>(K, a, sam, B + n0, ldb, c, ldc, scale, d);      \
+  else micro_chain<MRR, 1>(K, a, sam, B + n0, ldb, c, ldc, scale, d);
+      switch (mr) {
+        case 1: QKV_MC(1) break;
+        case 2: QKV_MC(2) break;
+        case 3: QKV_MC(3) break;
+        default: QKV_MC(4) break;
       }
+#undef QKV_MC
     }
   }
 }
@@ -450,28 +471,10 @@ static void pv_blocks(int64_t M, int64_t N, int64_t K, const float* A, int64_t s
 static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam,
                        const float* B, int64_t ldb, float* C, int64_t ldc, double scale,
                        double* D = nullptr, const double* alpha = nullptr) {
-  if (D) {
+  if (D)
     pv_blocks(M, N, K, A, sam, 1, B, ldb, D, ldc, alpha);
-    return;
-  }
-  for (int64_t n0 = 0; n0 < N; n0 += 32) {
-    const bool wide = N - n0 >= 32;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const float* a = A + m0 * sam;
-      float* c = C + m0 * ldc + n0;
-      const int64_t mr = M - m0 < 4 ? M - m0 : 4;
-#define QKV_MC(MRR)                                                                  \
-  if (wide) micro_chain<MRR, 2>(K, a, sam, B + n0, ldb, c, ldc, scale, nullptr);     \
-  else micro_chain<MRR, 1>(K, a, sam, B + n0, ldb, c, ldc, scale, nullptr);
-      switch (mr) {
-        case 1: QKV_MC(1) break;
-        case 2: QKV_MC(2) break;
-        case 3: QKV_MC(3) break;
-        default: QKV_MC(4) break;
-      }
-#undef QKV_MC
-    }
-  }
+  else
+    chain_blocks(M, N, K, A, sam, B, ldb, C, nullptr, ldc, scale);
 }
 
 // The backward's accumulations: D[m·ldd + n] += Σ_c double(chain_c), chain c the float sum
@@ -498,24 +501,7 @@ static void gemm_dp(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda
     gemm64(M, N, K, a64, K, 1, b64, ldb, C, ldc);
     return;
   }
-  for (int64_t n0 = 0; n0 < N; n0 += 32) {
-    const bool wide = N - n0 >= 32;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const float* am = a + m0 * lda;
-      double* c = C + m0 * ldc + n0;
-      const int64_t mr = M - m0 < 4 ? M - m0 : 4;
-#define QKV_DP(MRR)                                                                   \
-  if (wide) micro_chain<MRR, 2>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c);       \
-  else micro_chain<MRR, 1>(K, am, lda, b + n0, ldb, nullptr, ldc, 1.0, c);
-      switch (mr) {
-        case 1: QKV_DP(1) break;
-        case 2: QKV_DP(2) break;
-        case 3: QKV_DP(3) break;
-        default: QKV_DP(4) break;
-      }
-#undef QKV_DP
-    }
-  }
+  chain_blocks(M, N, K, a, lda, b, ldb, nullptr, C, ldc, 1.0);
 }
 
 // acc[0..n) = acc·alpha + Σ_c x[c·stride + i] for n_chains ≤ 4 float partials, in double
