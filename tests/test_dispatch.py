@@ -127,11 +127,12 @@ def test_auto_result_equals_chosen_backend(qkv3):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "portable"])
 def test_without_avx512_plain_forwards_go_to_sdpa(isa, monkeypatch):
     # Where the kernel's forward was measured slower than SDPA's (no AVX-512: avx2 or portable
-    # path), auto hands SDPA the plain forward requests it would take; gradients, decoding and
-    # structured masks stay on the kernel.
+    # path; AMX, where SDPA's own products use the tiles), auto hands SDPA the plain forward
+    # requests it would take, and with AMX the 16-bit gradients too; float32 gradients,
+    # decoding and structured masks stay on the kernel.
     if cpu_kernel_or("") != "cpu":
         pytest.skip("the compiled CPU kernel is not available here")
     from qkv.kernels import cpu_backend
@@ -145,7 +146,9 @@ def test_without_avx512_plain_forwards_go_to_sdpa(isa, monkeypatch):
         assert f"its {isa} path" in d.reasons["cpu"]
     assert qkv.dispatch(q, k, v, causal=True, finite_inputs=True).name == d.name
     qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
-    assert qkv.dispatch(qb, kb, vb).name == "cpu"  # gradients
+    assert qkv.dispatch(qb, kb, vb).name == ("sdpa" if isa == "amx" else "cpu")  # gradients
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    assert qkv.dispatch(qf, kf, vf).name == "cpu"  # float32 gradients never go to SDPA
     qd, kd, vd = make_qkv(B=1, H=2, Nq=1, Nk=65536, D=16)
     assert qkv.dispatch(qd, kd, vd).name == "cpu"  # decoding
     assert qkv.dispatch(q, k, v, mask=qkv.masks.sliding_window(8)).name == "cpu"

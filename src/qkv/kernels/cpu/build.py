@@ -31,13 +31,14 @@ import torch
 
 NAME = "qkv_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_portable.cpp")
+SOURCES = ("ops.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_portable.cpp")
 HEADERS = (
     "placement.h",
     "problem.h",
     "results.h",
     "kernel.h",
     "simd_avx512.h",
+    "tiles_amx.h",
     "simd_avx2.h",
     "simd_portable.h",
     "backward_ops.h",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-ISAS = ("avx512", "avx2", "portable")
+ISAS = ("amx", "avx512", "avx2", "portable")
 ENV = "QKV_CPU_ISA"
 
 

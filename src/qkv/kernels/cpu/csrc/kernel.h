@@ -36,6 +36,24 @@ static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static const float NEG_INF = -__builtin_inff();
 static const uint32_t GOLDEN = 0x61C88647u;
 
+#ifndef QKV_TILE_BF16
+// No tile unit on this path (tiles_amx.h defines these where there is one): the float
+// micro-kernels run every product.
+static constexpr bool TILE_BF16 = false;
+constexpr int64_t TILE_K_MAX = 0;
+static inline bool tile_gemm(int64_t, int64_t, int64_t, const float*, int64_t, bool, const float*,
+                             int64_t, float*, int64_t, double* = nullptr, const double* = nullptr,
+                             const uint16_t* = nullptr) {
+  return false;
+}
+static inline int64_t tile_a_elems(int64_t, int64_t) { return 0; }
+static inline void tile_pack_rows(int64_t, int64_t, const float*, int64_t, uint16_t*, float) {}
+constexpr int64_t TILE_PV_N = 0;
+static inline void tile_put_p(V16, uint16_t*, uint16_t*, int64_t, int64_t) {}
+static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, const float*,
+                           int64_t, float*, int64_t, const double*) {}
+#endif
+
 // ------------------------------------------------------------------------- scalar conversions
 
 static inline float f32_of_bits(uint32_t u) {
@@ -247,6 +265,11 @@ struct Buf {
   float* ktc;         // forward: KT_SLOTS packed key tiles (w.kt points at one of them)
   int64_t* ktag;      // forward: which key tile each slot holds, −1 none
   double* kmaxc;      // forward: each slot's key_norm_max
+  float* accf;        // tile unit, bfloat16: the forward's P·V accumulator (rows padded to 16)
+  uint16_t *pah, *pal;  // tile unit, bfloat16: the forward's P as A tiles, two parts (tile_put_p)
+  uint16_t* qa;       // tile unit, bfloat16: the forward item's Q rows as A tiles (tile_pack_rows)
+  bool qa_on;         // qa holds the rows of w.q
+  bool qa_scaled;     // … times the scale (a power of two)
 };
 
 static inline char* carve(char*& cur, int64_t bytes) {
@@ -264,6 +287,12 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   for (int64_t f : floats) bytes += (f * 4 + 63) & ~int64_t(63);
   bytes += 2 * ((R * 8 + 63) & ~int64_t(63)) + 2 * ((R * 4 + 63) & ~int64_t(63)) + 256;
   bytes += 3 * ((R + 63) & ~int64_t(63));
+  const int64_t qa_elems = TILE_BF16 && P.dtype == DT_BF16 ? tile_a_elems(R, P.D) : 0;
+  bytes += (qa_elems * 2 + 63) & ~int64_t(63);
+  const int64_t accf_elems = TILE_BF16 && P.dtype == DT_BF16 ? (R + 15) / 16 * 16 * Dvp : 0;
+  bytes += (accf_elems * 4 + 63) & ~int64_t(63);
+  const int64_t pa_elems = TILE_BF16 && P.dtype == DT_BF16 ? (R + 15) / 16 * 16 * BK : 0;
+  bytes += 2 * ((pa_elems * 2 + 63) & ~int64_t(63));
   const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, R};
   for (int64_t d : doubles) bytes += (d * 8 + 63) & ~int64_t(63);
   w.base = (char*)aligned_alloc(64, (size_t)((bytes + 63) & ~int64_t(63)));
@@ -305,6 +334,11 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   __builtin_memset(w.exact, 0, (size_t)R);
   w.glo = (int8_t*)carve(cur, R);
   w.ghi = (int8_t*)carve(cur, R);
+  w.qa = (uint16_t*)carve(cur, qa_elems * 2);
+  w.accf = (float*)carve(cur, accf_elems * 4);
+  w.pah = (uint16_t*)carve(cur, pa_elems * 2);
+  w.pal = (uint16_t*)carve(cur, pa_elems * 2);
+  w.qa_on = w.qa_scaled = false;
   w.pool = nullptr;
   w.pool_cap = 0;
   w.slot_of = w.free_slots = nullptr;
@@ -374,12 +408,15 @@ constexpr int64_t PREFETCH_ROWS = 48;
 // s[M × N] (ld BK) = round(q · kt · scale) for N columns of the packed transposed key tile kt
 // (ld BK): every score the same bits whatever M, N and the columns' offset (both gemms promise it)
 static void block_scores(const Problem& P, int64_t M, int64_t N, const float* q, int64_t ldq,
-                         const float* kt, float* s) {
+                         const float* kt, float* s, const uint16_t* qa = nullptr,
+                         bool qa_scaled = false) {
   if (P.precise_scores) {
     gemm_chain(M, N, P.D, q, ldq, kt, BK, s, BK, P.mods.scale64);
     return;
   }
-  gemm(M, N, P.D, q, ldq, 1, kt, BK, s, BK);
+  const bool tiles = TILE_BF16 && P.dtype == DT_BF16 && tile_gemm(M, N, P.D, q, ldq, false, kt, BK, s, BK, nullptr, nullptr, qa);
+  if (!tiles) gemm(M, N, P.D, q, ldq, 1, kt, BK, s, BK);
+  if (tiles && qa_scaled) return;  // the rows came scaled by a power of two: the same bits
   const V16 scale = v_set(P.mods.scale);
   for (int64_t R = 0; R < M; ++R)
     for (int64_t x = 0; x < N; x += 16) v_store(s + R * BK + x, v_mul(v_load(s + R * BK + x), scale));
@@ -416,7 +453,7 @@ static void tile_scores(const Problem& P, int64_t M, const float* q, const doubl
       for (int64_t j = kw; j < BK; ++j) w.s[R * BK + j] = w.slo[R * BK + j] = 0.0f;
     return;
   }
-  block_scores(P, M, BK, q, ldq, w.kt, w.s);
+  block_scores(P, M, BK, q, ldq, w.kt, w.s, w.qa_on ? w.qa : nullptr, w.qa_scaled);
 }
 
 // exp(s − m) for scores 16q … 16q+15 of a row. With the scores' low parts (lorow: the row of
@@ -626,7 +663,18 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       if (P.drop.on) w.rowh[R] = drop_row_hash(P.drop, b * P.H + h, r0 + r);
     }
   }
+  // the tile unit reads the item's Q rows as A tiles for every key tile: packed once here
+  w.qa_on = TILE_BF16 && P.dtype == DT_BF16 && !P.dot_scores && P.D <= TILE_K_MAX;
+  // (scaled, where the scale is a power of two: q·k·2ᵉ rounds as (q·k)·2ᵉ does)
+  int scale_exp = 0;
+  w.qa_scaled = w.qa_on && __builtin_frexpf(P.mods.scale, &scale_exp) == 0.5f;
+  if (w.qa_on) tile_pack_rows(M, P.D, w.q, Dp, w.qa, w.qa_scaled ? P.mods.scale : 1.0f);
   __builtin_memset(w.acc, 0, (size_t)(M * Dvp) * 8);
+  // bfloat16 on the tile unit: P·V adds into a float accumulator held by the tiles (its sums
+  // of ≤ 4096 keys round at 2⁻²⁴ per add, far below the output's bfloat16 rounding), moved to
+  // acc at the end or at the first key tile whose V is not all finite
+  bool tiles_pv = TILE_BF16 && P.dtype == DT_BF16 && Dvp <= TILE_PV_N;
+  if (tiles_pv) __builtin_memset(w.accf, 0, (size_t)((M + 15) / 16 * 16 * Dvp) * 4);
   const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
   for (int64_t e = it.e0; e < it.e1; ++e) {
     const int64_t j = L.col_idx[e], code = L.code[e], c0 = tile_c0(P, j), kw = tile_kw(P, j);
@@ -673,18 +721,26 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
         const int64_t lo = w.glo[R0 / gs], hi = w.ghi[R0 / gs];
         if (lo <= hi)
           block_scores(P, imin(gs, M - R0), 16 * (hi - lo + 1), w.q + R0 * Dp, Dp, w.kt + 16 * lo,
-                       w.s + R0 * BK + 16 * lo);
+                       w.s + R0 * BK + 16 * lo, w.qa_on ? w.qa + tile_a_elems(R0, P.D) : nullptr,
+                       w.qa_scaled);
       }
     }
     exact_rows(P, M, krows, ldk, kw, w);
+    const bool tiles_p = tiles_pv && tile_v_finite(P, F, b, hkv, j, vb, kw, ldv);
+    // P as the tiles read it (two bfloat16 parts) or as floats
+    auto put_p = [&](int64_t R, int64_t q, V16 x) {
+      if (tiles_p)
+        tile_put_p(x, w.pah, w.pal, R, q);
+      else
+        v_store(w.p + R * BK + 16 * q, x);
+    };
     for (int64_t R = 0; R < M; ++R) {
       float* srow = w.s + R * BK;
       const float* lorow = lo_row(P, w, R);
-      float* prow = w.p + R * BK;
       const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[R]];
       w.alpha[R] = 1.0;
       if (allowed == 0) {
-        for (int64_t q = 0; q < 4; ++q) v_store(prow + 16 * q, zero);
+        for (int64_t q = 0; q < 4; ++q) put_p(R, q, zero);
         continue;
       }
       row_scores(P.mods, w.slope[R], w.qpos[R], c0, allowed, srow, srow, nullptr);
@@ -692,7 +748,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       const float tmax = v_hmax(mx), mold = w.mrow[R];
       const float mnew = tmax > mold ? tmax : mold;
       if (mnew == NEG_INF) {
-        for (int64_t q = 0; q < 4; ++q) v_store(prow + 16 * q, zero);
+        for (int64_t q = 0; q < 4; ++q) put_p(R, q, zero);
         continue;
       }
       const V16 mv = v_set(mnew);
@@ -701,7 +757,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
         V16 ev = exp_scores(srow, lorow, q, mv);
         sum = v_add(sum, ev);
         if (P.drop.on) ev = v_select(drop_keep(P.drop, w.rowh[R], w.colh + 16 * q), v_mul(ev, keep_scale), zero);
-        v_store(prow + 16 * q, ev);
+        put_p(R, q, ev);
       }
       const double alpha =
           mold == mnew ? 1.0 : (mold == NEG_INF ? 0.0 : __builtin_exp((double)mold - (double)mnew));
@@ -711,6 +767,14 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
     // P V in float chains of PV_CHAIN keys (a whole tile; 16 portable), summed in double
     const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv);
+    if (tiles_p) {  // the tiles add P V over the whole tile (P = 0 outside the groups' spans)
+      tile_pv(M, Dvp, kw, w.pah, w.pal, vb, ldv, w.accf, Dvp, w.alpha);
+      continue;
+    }
+    if (tiles_pv) {  // from here on the float kernels, which skip P = 0 exactly
+      for (int64_t x = 0; x < M * Dvp; ++x) w.acc[x] = (double)w.accf[x];
+      tiles_pv = false;
+    }
     for (int64_t R0 = 0; R0 < M; R0 += gs) {
       const int64_t gm = imin(gs, M - R0), lo = w.glo[R0 / gs], hi = w.ghi[R0 / gs];
       if (lo > hi) continue;  // no row of the group attends here: acc unchanged (α = 1)
@@ -728,6 +792,8 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
         acc_chains(w.acc + R * Dvp, w.o + R * Dvp, M * Dvp, nc, w.alpha[R], Dvp);
     }
   }
+  if (tiles_pv)
+    for (int64_t x = 0; x < M * Dvp; ++x) w.acc[x] = (double)w.accf[x];
   const int64_t key = (b * P.Hkv + hkv) * L.nqb + i;
   const int32_t nsplit = F.nsplit[key];
   if (nsplit <= 1) {

@@ -1,7 +1,7 @@
 // The torch side of qkv's compiled CPU kernel: the ops `torch.ops.qkv_cpu.*`, their argument
 // checks, the work plans (how rows and columns of tiles are cut into items), one parallel region
 // per call on torch's own thread pool, and the choice of the ISA kernel (kernel.h compiled for
-// AVX-512, AVX2 or the baseline). Nothing here depends on the ISA.
+// AVX-512 with the AMX tiles, AVX-512, AVX2 or the baseline). Nothing here depends on the ISA.
 #include <ATen/Parallel.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
@@ -19,6 +19,14 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "placement.h"
 #include "problem.h"
 
@@ -29,31 +37,55 @@
 namespace qkv_cpu {
 namespace {
 
+#if defined(__x86_64__)
+// AMX-TILE, AMX-BF16 and AVX512-BF16 (CPUID leaf 7), and the OS's leave to use the tile state
+// (Linux hands it to a process that asks: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)); asked
+// once per process
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tiles = (d >> 24) & 1u, tile_bf16 = (d >> 22) & 1u;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    const bool avx512_bf16 = (a >> 5) & 1u;
+    if (!(tiles && tile_bf16 && avx512_bf16)) return false;
+#if defined(__linux__)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+#endif
+
 bool isa_supported(const std::string& isa) {
   if (isa == "portable") return true;
 #if defined(__x86_64__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa == "avx2") return avx2;
-  if (isa == "avx512")
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  if (isa == "avx512") return avx512;
+  if (isa == "amx") return avx512 && amx_usable();
 #endif
   return false;
 }
 
 std::string best_isa() {
-  for (const char* isa : {"avx512", "avx2"})
+  for (const char* isa : {"amx", "avx512", "avx2"})
     if (isa_supported(isa)) return isa;
   return "portable";
 }
 
 const Kernels& kernels_for(const std::string& isa) {
-  TORCH_CHECK(isa == "avx512" || isa == "avx2" || isa == "portable",
-              "qkv_cpu: unknown ISA '", isa, "' (expected avx512, avx2 or portable)");
+  TORCH_CHECK(isa == "amx" || isa == "avx512" || isa == "avx2" || isa == "portable",
+              "qkv_cpu: unknown ISA '", isa, "' (expected amx, avx512, avx2 or portable)");
   TORCH_CHECK(isa_supported(isa), "qkv_cpu: this CPU lacks the instructions of the '", isa,
               "' kernel");
 #if defined(__x86_64__)
+  if (isa == "amx") return amx::kernels;
   if (isa == "avx512") return avx512::kernels;
   if (isa == "avx2") return avx2::kernels;
 #endif

@@ -175,6 +175,9 @@ extern const Kernels kernels;
 namespace avx512 {
 extern const Kernels kernels;
 }
+namespace amx {
+extern const Kernels kernels;
+}
 #endif
 
 }  // namespace qkv_cpu
