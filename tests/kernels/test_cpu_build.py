@@ -91,6 +91,31 @@ def test_avx512_and_avx2_give_the_same_bits(monkeypatch, case):
         assert torch.equal(a, b), f"{name}: max diff {(a.double() - b.double()).abs().max():.3e}"
 
 
+SAME_ON_AMX = [
+    (dtype, case)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    for case in (BIT_CASES[0], BIT_CASES[4])
+    if not (dtype == torch.bfloat16 and case is BIT_CASES[0])  # on the tiles: other sums
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "case"),
+    SAME_ON_AMX,
+    ids=[f"{str(d)[6:]}-{'decode' if c is BIT_CASES[4] else 'dense'}" for d, c in SAME_ON_AMX],
+)
+def test_the_amx_path_is_the_avx512_path_but_for_bfloat16_tiles(monkeypatch, dtype, case):
+    """The amx path runs the AVX-512 path's arithmetic for float32 and float16, and for
+    bfloat16 where no tile product runs (decoding): the same bits. (Its bfloat16 tile products
+    are judged against the golden by the kernel's tests, run on this path.)"""
+    if not OPS.isa_supported("amx"):
+        pytest.skip("this CPU lacks AMX-BF16 (or the OS's leave to use the tiles)")
+    case = {**case, "dtype": dtype}
+    tiles, plain = (_all_results(monkeypatch, name, case) for name in ("amx", "avx512"))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tiles, plain, strict=True):
+        assert torch.equal(a, b), f"{name}: max diff {(a.double() - b.double()).abs().max():.3e}"
+
+
 @pytest.mark.parametrize("value", ["bogus", "avx512x"])
 def test_a_bad_isa_request_is_a_reason_not_a_crash(monkeypatch, value):
     monkeypatch.setenv(isa.ENV, value)

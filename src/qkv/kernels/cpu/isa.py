@@ -1,9 +1,11 @@
 """Which instruction-set path of the compiled kernel runs.
 
-One build holds three paths: `avx512` (AVX-512 F/BW/DQ/VL), `avx2` (AVX2 + FMA + F16C) and
-`portable` (the build's baseline, any CPU). By default the widest one the CPU has runs; the
-environment variable `QKV_CPU_ISA=avx512|avx2|portable` forces one (read at every call, so a
-test can switch paths), and `QKV_CPU_ISA=auto` (or unset) restores the default.
+One build holds four paths: `amx` (the AVX-512 path with the AMX tile unit for bfloat16
+products: AMX-TILE, AMX-BF16, AVX512-BF16 and the OS's leave), `avx512` (AVX-512 F/BW/DQ/VL),
+`avx2` (AVX2 + FMA + F16C) and `portable` (the build's baseline, any CPU). By default the widest
+one the CPU has runs; the environment variable `QKV_CPU_ISA=amx|avx512|avx2|portable` forces
+one (read at every call, so a test can switch paths), and `QKV_CPU_ISA=auto` (or unset)
+restores the default.
 """
 
 from __future__ import annotations
