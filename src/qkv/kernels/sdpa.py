@@ -16,6 +16,8 @@ as zeros), so those calls run torch's math kernel, which does not.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -113,11 +115,23 @@ class SdpaBackend:
         return _call(q, k, v, attn_mask, is_causal, plan), None, None
 
 
+@functools.cache
+def _fused_16bit_breaks() -> bool:
+    """Whether torch's fused CPU kernel fails on 16-bit inputs here: on a CPU with AMX tiles
+    whose ATen kernels run narrower than AVX-512 (`ATEN_CPU_CAPABILITY=avx2` or `default`),
+    torch 2.13's flash kernel still packs for the tiles and raises "pack_vnni2 is only
+    supported when avx512 is supported" (seen on an Intel Xeon with AMX, bf16, D = 59)."""
+    narrow = torch.backends.cpu.get_cpu_capability() not in ("AVX512",)
+    return narrow and bool(torch.cpu._is_amx_tile_supported())
+
+
 def _call(q, k, v, attn_mask, is_causal: bool, plan: AttentionPlan) -> torch.Tensor:
-    """torch SDPA with qkv's scale and grouped heads; its math kernel for fewer than 16 keys on
-    the CPU, where the fused kernel loses a NaN of q."""
+    """torch SDPA with qkv's scale and grouped heads; its math kernel on the CPU for fewer than
+    16 keys, where the fused kernel loses a NaN of q, and for 16-bit inputs where the fused
+    kernel fails (_fused_16bit_breaks)."""
     extra = {"enable_gqa": True} if plan.groups > 1 else {}
-    if q.device.type == "cpu" and k.shape[-2] < 16:
+    low = q.dtype in (torch.bfloat16, torch.float16)
+    if q.device.type == "cpu" and (k.shape[-2] < 16 or (low and _fused_16bit_breaks())):
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=plan.scale, **extra
