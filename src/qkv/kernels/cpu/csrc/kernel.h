@@ -41,9 +41,8 @@ static const uint32_t GOLDEN = 0x61C88647u;
 // micro-kernels run every product.
 static constexpr bool TILE_BF16 = false;
 constexpr int64_t TILE_K_MAX = 0;
-static inline bool tile_gemm(int64_t, int64_t, int64_t, const float*, int64_t, bool, const float*,
-                             int64_t, float*, int64_t, double* = nullptr, const double* = nullptr,
-                             const uint16_t* = nullptr) {
+static inline bool tile_gemm(int64_t, int64_t, int64_t, const float*, int64_t, const uint16_t*,
+                             const float*, int64_t, float*, int64_t) {
   return false;
 }
 static inline int64_t tile_a_elems(int64_t, int64_t) { return 0; }
@@ -414,7 +413,7 @@ static void block_scores(const Problem& P, int64_t M, int64_t N, const float* q,
     gemm_chain(M, N, P.D, q, ldq, kt, BK, s, BK, P.mods.scale64);
     return;
   }
-  const bool tiles = TILE_BF16 && P.dtype == DT_BF16 && tile_gemm(M, N, P.D, q, ldq, false, kt, BK, s, BK, nullptr, nullptr, qa);
+  const bool tiles = TILE_BF16 && P.dtype == DT_BF16 && tile_gemm(M, N, P.D, q, ldq, qa, kt, BK, s, BK);
   if (!tiles) gemm(M, N, P.D, q, ldq, 1, kt, BK, s, BK);
   if (tiles && qa_scaled) return;  // the rows came scaled by a power of two: the same bits
   const V16 scale = v_set(P.mods.scale);

@@ -1,12 +1,12 @@
 // The tile unit (Intel AMX, BF16) for the products of bfloat16 inputs. Included by isa_amx.cpp
-// after simd_avx512.h, inside its namespace; kernel.h reads TILE_BF16 and tile_gemm. Without
-// this file (every other ISA) kernel.h's stand-ins say "no tiles" and the float micro-kernels
+// after simd_avx512.h, inside its namespace; kernel.h reads TILE_BF16, tile_gemm (the scores),
+// tile_pack_rows, tile_put_p and tile_pv (the forward's P·V). Without this file (every other ISA) kernel.h's stand-ins say "no tiles" and the float micro-kernels
 // run every product.
 //
 // A tile product C += A·B takes A as 16 rows × 32 bfloat16 and B as 16 rows of 16 bfloat16
 // pairs (B's rows 2p and 2p + 1 interleaved, the "VNNI" layout) and sums in float32: each
 // product of two bfloat16 is exact in float32, the sums round as float sums do. The operands
-// are the kernel's float copies of bfloat16 data (Q, K, V, dO: exact in bfloat16) and, for a
+// are the kernel's float copies of bfloat16 data (Q, K, V: exact in bfloat16) and, for a
 // weight matrix such as P (float32, not bfloat16), two bfloat16 parts hi + lo with
 // hi = bf16(x), lo = bf16(x − hi): 16 bits of x's 24, so a weight carries a rounding of
 // 2⁻¹⁷ of itself where one bfloat16 would carry 2⁻⁹ (the size of the output's own rounding).
@@ -47,17 +47,15 @@ static inline __mmask16 first_n(int64_t n) {
   return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
 
-// A rows r < rows of x (ld lda), columns k0 … k0+kn−1 (kn ≤ 32), as one A tile (16 × 32
-// bfloat16, zero past rows and kn); with lo, also the parts x − hi
-static inline void pack_a(const float* x, int64_t lda, int64_t rows, int64_t kn, uint16_t* hi,
-                          uint16_t* lo, float scale = 1.0f) {
+// A rows r < rows of x (ld lda), columns 0 … kn−1 (kn ≤ 32), times scale, as one A tile
+// (16 × 32 bfloat16, zero past rows and kn)
+static inline void pack_a(const float* x, int64_t lda, int64_t rows, int64_t kn, uint16_t* dst,
+                          float scale) {
   for (int64_t r = 0; r < 16; ++r)
     for (int64_t h = 0; h < 2; ++h) {
       const __mmask16 m = r < rows ? first_n(kn - 16 * h) : (__mmask16)0;
       const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + r * lda + 16 * h), _mm512_set1_ps(scale));
-      const __m256i b = bf16_bits(v);
-      _mm256_storeu_si256((__m256i*)(hi + r * 32 + 16 * h), b);
-      if (lo) _mm256_storeu_si256((__m256i*)(lo + r * 32 + 16 * h), bf16_bits(_mm512_sub_ps(v, f32_of_bf16(b))));
+      _mm256_storeu_si256((__m256i*)(dst + r * 32 + 16 * h), bf16_bits(v));
     }
 }
 
@@ -73,8 +71,8 @@ static inline void pack_b(const float* y, int64_t ldb, int64_t kn, uint32_t* dst
   }
 }
 
-// Rows of A (M × K, ld lda), times scale (a power of two: exact), as the A tiles tile_gemm reads: row block m0/16, step kk at
-// dst + (m0/16 · nk + kk) · 512, nk = ⌈K/32⌉ (what tile_a_elems counts)
+// Rows of A (M × K, ld lda), times scale (a power of two: exact), as the A tiles tile_gemm
+// reads: row block m0/16, step kk at dst + (m0/16 · nk + kk) · 512, nk = ⌈K/32⌉ (tile_a_elems)
 static inline int64_t tile_a_elems(int64_t M, int64_t K) {
   return (M + 15) / 16 * ((K + TILE_K - 1) / TILE_K) * 512;
 }
@@ -85,46 +83,42 @@ static void tile_pack_rows(int64_t M, int64_t K, const float* A, int64_t lda, ui
     for (int64_t kk = 0; kk < nk; ++kk)
       pack_a(A + m0 * lda + kk * TILE_K, lda, M - m0 < 16 ? M - m0 : 16,
              K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K, dst + (m0 / 16 * nk + kk) * 512,
-             nullptr, scale);
+             scale);
 }
 
-// C[M×N] = A[M×K]·B[K×N] (A ld lda, B ld ldb, floats holding bfloat16 values; A in two parts
-// with split_a; or packed already: apack, from tile_pack_rows), or with D: D[m·ldd + n] = D·alpha[m] + (A·B)[m][n] in double (alpha null: 1).
-// N a multiple of 16. Each element is the unit's float sum over K in steps of 32 (the hi part's
-// product, then the lo part's), the same whatever M, N and the element's place. False (nothing
-// done) where K > TILE_K_MAX.
-static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool split_a,
-                      const float* B, int64_t ldb, float* C, int64_t ldc, double* D = nullptr,
-                      const double* alpha = nullptr, const uint16_t* apack = nullptr) {
+// The scores' product C[M×N] = A[M×K]·B[K×N] (C ld ldc; B ld ldb, floats holding bfloat16
+// values; A the rows' tiles from tile_pack_rows, or, with apack null, floats (ld lda) packed
+// here). N a multiple of 16. Each element is the unit's float sum over K in steps of 32, the
+// same whatever M, N and the element's place. False (nothing done) where K > TILE_K_MAX.
+static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                      const uint16_t* apack, const float* B, int64_t ldb, float* C, int64_t ldc) {
   if (K > TILE_K_MAX) return false;
   const int64_t nk = (K + TILE_K - 1) / TILE_K;
   alignas(64) uint32_t bt[TILE_K_MAX / TILE_K * 4 * 256];
-  alignas(64) uint16_t ah[TILE_K_MAX / TILE_K * 512], al[TILE_K_MAX / TILE_K * 512];
+  alignas(64) uint16_t ah[TILE_K_MAX / TILE_K * 512];
   alignas(64) float cs[16 * 64];
   tiles_on();
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
     const int64_t nt = (N - n0) / 16 < 4 ? (N - n0) / 16 : 4;
     for (int64_t kk = 0; kk < nk; ++kk)
       for (int64_t t = 0; t < nt; ++t)
-        pack_b(B + kk * TILE_K * ldb + n0 + 16 * t, ldb, (K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K),
+        pack_b(B + kk * TILE_K * ldb + n0 + 16 * t, ldb, K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K,
                bt + (kk * 4 + t) * 256);
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t rows = M - m0 < 16 ? M - m0 : 16;
       for (int64_t kk = 0; kk < nk && !apack; ++kk)
-        pack_a(A + m0 * lda + kk * TILE_K, lda, rows, (K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K), ah + kk * 512,
-               split_a ? al + kk * 512 : nullptr);
+        pack_a(A + m0 * lda + kk * TILE_K, lda, rows, K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K,
+               ah + kk * 512, 1.0f);
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t kk = 0; kk < nk; ++kk) {
         _tile_loadd(4, apack ? apack + (m0 / 16 * nk + kk) * 512 : ah + kk * 512, 64);
-        if (split_a) _tile_loadd(6, al + kk * 512, 64);
-#define QKV_TILE_STEP(T)                                   \
-  if (nt > T) {                                            \
-    _tile_loadd(5, bt + (kk * 4 + T) * 256, 64);           \
-    _tile_dpbf16ps(T, 4, 5);                               \
-    if (split_a) _tile_dpbf16ps(T, 6, 5);                  \
+#define QKV_TILE_STEP(T)                         \
+  if (nt > T) {                                  \
+    _tile_loadd(5, bt + (kk * 4 + T) * 256, 64); \
+    _tile_dpbf16ps(T, 4, 5);                     \
   }
         QKV_TILE_STEP(0)
         QKV_TILE_STEP(1)
@@ -132,31 +126,16 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
         QKV_TILE_STEP(3)
 #undef QKV_TILE_STEP
       }
-      if (!D && rows == 16) {  // straight into C
-        float* c = C + m0 * ldc + n0;
-        _tile_stored(0, c, ldc * 4);
-        if (nt > 1) _tile_stored(1, c + 16, ldc * 4);
-        if (nt > 2) _tile_stored(2, c + 32, ldc * 4);
-        if (nt > 3) _tile_stored(3, c + 48, ldc * 4);
-        continue;
-      }
-      _tile_stored(0, cs, 256);
-      if (nt > 1) _tile_stored(1, cs + 16, 256);
-      if (nt > 2) _tile_stored(2, cs + 32, 256);
-      if (nt > 3) _tile_stored(3, cs + 48, 256);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* c = cs + r * 64;
-        if (!D) {
-          for (int64_t x = 0; x < 16 * nt; x += 16)
-            _mm512_storeu_ps(C + (m0 + r) * ldc + n0 + x, _mm512_loadu_ps(c + x));
-          continue;
-        }
-        double* d = D + (m0 + r) * ldc + n0;
-        const __m512d a = _mm512_set1_pd(alpha ? alpha[m0 + r] : 1.0);
-        for (int64_t x = 0; x < 16 * nt; x += 8)
-          _mm512_storeu_pd(d + x, _mm512_fmadd_pd(_mm512_loadu_pd(d + x), a,
-                                                  _mm512_cvtps_pd(_mm256_loadu_ps(c + x))));
-      }
+      // 16 rows straight into C; a last block of fewer rows through cs
+      float* c = rows == 16 ? C + m0 * ldc + n0 : cs;
+      const int64_t ld = rows == 16 ? ldc * 4 : 256;
+      _tile_stored(0, c, ld);
+      if (nt > 1) _tile_stored(1, c + 16, ld);
+      if (nt > 2) _tile_stored(2, c + 32, ld);
+      if (nt > 3) _tile_stored(3, c + 48, ld);
+      for (int64_t r = 0; r < rows && rows < 16; ++r)
+        for (int64_t x = 0; x < 16 * nt; x += 16)
+          _mm512_storeu_ps(C + (m0 + r) * ldc + n0 + x, _mm512_loadu_ps(cs + r * 64 + x));
     }
   }
   _tile_release();
