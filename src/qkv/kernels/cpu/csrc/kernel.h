@@ -53,6 +53,9 @@ static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const uin
                            int64_t, float*, int64_t, const double*) {}
 #endif
 
+// whether this problem's products run on the tile unit (bfloat16 inputs on a path that has it)
+static inline bool on_tiles(const Problem& P) { return TILE_BF16 && P.dtype == DT_BF16; }
+
 // ------------------------------------------------------------------------- scalar conversions
 
 static inline float f32_of_bits(uint32_t u) {
@@ -286,11 +289,11 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   for (int64_t f : floats) bytes += (f * 4 + 63) & ~int64_t(63);
   bytes += 2 * ((R * 8 + 63) & ~int64_t(63)) + 2 * ((R * 4 + 63) & ~int64_t(63)) + 256;
   bytes += 3 * ((R + 63) & ~int64_t(63));
-  const int64_t qa_elems = TILE_BF16 && P.dtype == DT_BF16 ? tile_a_elems(R, P.D) : 0;
+  const int64_t qa_elems = on_tiles(P) ? tile_a_elems(R, P.D) : 0;
   bytes += (qa_elems * 2 + 63) & ~int64_t(63);
-  const int64_t accf_elems = TILE_BF16 && P.dtype == DT_BF16 ? (R + 15) / 16 * 16 * Dvp : 0;
+  const int64_t accf_elems = on_tiles(P) ? (R + 15) / 16 * 16 * Dvp : 0;
   bytes += (accf_elems * 4 + 63) & ~int64_t(63);
-  const int64_t pa_elems = TILE_BF16 && P.dtype == DT_BF16 ? (R + 15) / 16 * 16 * BK : 0;
+  const int64_t pa_elems = on_tiles(P) ? (R + 15) / 16 * 16 * BK : 0;
   bytes += 2 * ((pa_elems * 2 + 63) & ~int64_t(63));
   const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, R};
   for (int64_t d : doubles) bytes += (d * 8 + 63) & ~int64_t(63);
@@ -413,7 +416,7 @@ static void block_scores(const Problem& P, int64_t M, int64_t N, const float* q,
     gemm_chain(M, N, P.D, q, ldq, kt, BK, s, BK, P.mods.scale64);
     return;
   }
-  const bool tiles = TILE_BF16 && P.dtype == DT_BF16 && tile_gemm(M, N, P.D, q, ldq, qa, kt, BK, s, BK);
+  const bool tiles = on_tiles(P) && tile_gemm(M, N, P.D, q, ldq, qa, kt, BK, s, BK);
   if (!tiles) gemm(M, N, P.D, q, ldq, 1, kt, BK, s, BK);
   if (tiles && qa_scaled) return;  // the rows came scaled by a power of two: the same bits
   const V16 scale = v_set(P.mods.scale);
@@ -663,7 +666,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
   }
   // the tile unit reads the item's Q rows as A tiles for every key tile: packed once here
-  w.qa_on = TILE_BF16 && P.dtype == DT_BF16 && !P.dot_scores && P.D <= TILE_K_MAX;
+  w.qa_on = on_tiles(P) && !P.dot_scores && P.D <= TILE_K_MAX;
   // (scaled, where the scale is a power of two: q·k·2ᵉ rounds as (q·k)·2ᵉ does)
   int scale_exp = 0;
   w.qa_scaled = w.qa_on && __builtin_frexpf(P.mods.scale, &scale_exp) == 0.5f;
@@ -672,8 +675,11 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
   // bfloat16 on the tile unit: P·V adds into a float accumulator held by the tiles (its sums
   // of ≤ 4096 keys round at 2⁻²⁴ per add, far below the output's bfloat16 rounding), moved to
   // acc at the end or at the first key tile whose V is not all finite
-  bool tiles_pv = TILE_BF16 && P.dtype == DT_BF16 && Dvp <= TILE_PV_N;
+  bool tiles_pv = on_tiles(P) && Dvp <= TILE_PV_N;
   if (tiles_pv) __builtin_memset(w.accf, 0, (size_t)((M + 15) / 16 * 16 * Dvp) * 4);
+  auto accf_to_acc = [&] {
+    for (int64_t x = 0; x < M * Dvp; ++x) w.acc[x] = (double)w.accf[x];
+  };
   const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
   for (int64_t e = it.e0; e < it.e1; ++e) {
     const int64_t j = L.col_idx[e], code = L.code[e], c0 = tile_c0(P, j), kw = tile_kw(P, j);
@@ -725,7 +731,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       }
     }
     exact_rows(P, M, krows, ldk, kw, w);
-    const bool tiles_p = tiles_pv && tile_v_finite(P, F, b, hkv, j, vb, kw, ldv);
+    const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv), tiles_p = tiles_pv && v_finite;
     // P as the tiles read it (two bfloat16 parts) or as floats
     auto put_p = [&](int64_t R, int64_t q, V16 x) {
       if (tiles_p)
@@ -765,13 +771,12 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       w.alpha[R] = alpha;
     }
     // P V in float chains of PV_CHAIN keys (a whole tile; 16 portable), summed in double
-    const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv);
     if (tiles_p) {  // the tiles add P V over the whole tile (P = 0 outside the groups' spans)
       tile_pv(M, Dvp, kw, w.pah, w.pal, vb, ldv, w.accf, Dvp, w.alpha);
       continue;
     }
     if (tiles_pv) {  // from here on the float kernels, which skip P = 0 exactly
-      for (int64_t x = 0; x < M * Dvp; ++x) w.acc[x] = (double)w.accf[x];
+      accf_to_acc();
       tiles_pv = false;
     }
     for (int64_t R0 = 0; R0 < M; R0 += gs) {
@@ -791,8 +796,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
         acc_chains(w.acc + R * Dvp, w.o + R * Dvp, M * Dvp, nc, w.alpha[R], Dvp);
     }
   }
-  if (tiles_pv)
-    for (int64_t x = 0; x < M * Dvp; ++x) w.acc[x] = (double)w.accf[x];
+  if (tiles_pv) accf_to_acc();
   const int64_t key = (b * P.Hkv + hkv) * L.nqb + i;
   const int32_t nsplit = F.nsplit[key];
   if (nsplit <= 1) {
