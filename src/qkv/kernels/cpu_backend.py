@@ -60,8 +60,8 @@ FORWARD_FAST_ISAS = ("avx512",)
 # its 16-bit products run on the same tiles through oneDNN and its float32 ones through MKL at
 # full AVX-512 width. `python -m benchmarks.run cpu` on an Intel Xeon (family 6, model 167, 2
 # cores) measured the kernel at 0.90× / 0.81× SDPA dense fp32 (forward / forward + backward),
-# 0.98× / 0.92× causal, and bf16 0.37× / 0.58× before its forward took the tiles (about 0.75×
-# after, docs/cpu.md). Decoding (2.92×) and the structured masks stay on the kernel.
+# 0.98× / 0.92× causal, and bf16 0.37× / 0.58× before its forward took the tiles (0.72× dense,
+# 0.74× causal after, docs/cpu.md). Decoding (2.92×) and the structured masks stay on the kernel.
 SDPA_AHEAD_ISAS = ("amx",)
 DECODE_ROWS = 16
 
