@@ -462,6 +462,19 @@ def test_large_logits_keep_the_rule(d, spread):
             )
 
 
+@pytest.mark.parametrize("scale", [1e10, 1e20])
+def test_huge_logits_give_one_hot_rows_not_nan(scale):
+    """Keys scaled by 1e10: scores far beyond 2²⁵, where a score's exact low part (hundreds,
+    the float spacing there) put e^(low part) into the weights and overflowed them to inf, so
+    every row came out NaN. There the row is one-hot either way; the low parts are read as 0."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=g) for _ in range(3))
+    k = k * scale
+    out = qkv.attention(q, k, v, causal=True, backend="cpu")
+    ref = qkv.attention(q, k, v, causal=True, backend="reference")
+    assert_error_ratio(out, ref, golden(q, k, v, causal=True))
+
+
 def test_small_gradients_are_summed_exactly():
     """Many query rows over two keys, D = 1, two query heads per kv head: dV has two elements,
     each a sum of 124 products P·dO, and the float32 reference's error over two elements is

@@ -92,9 +92,9 @@ def test_avx512_and_avx2_give_the_same_bits(monkeypatch, case):
 
 
 SAME_ON_AMX = [
-    (dtype, case)
-    for dtype in (torch.float32, torch.float16)
-    for case in (BIT_CASES[0], BIT_CASES[4])
+    (torch.float16, BIT_CASES[0]),
+    (torch.float16, BIT_CASES[4]),
+    (torch.float32, BIT_CASES[4]),  # decoding's float32 scores are dot products, not tile products
 ]
 
 
@@ -103,16 +103,60 @@ SAME_ON_AMX = [
     SAME_ON_AMX,
     ids=[f"{str(d)[6:]}-{'decode' if c is BIT_CASES[4] else 'dense'}" for d, c in SAME_ON_AMX],
 )
-def test_the_amx_path_is_the_avx512_path_but_for_bfloat16(monkeypatch, dtype, case):
-    """The amx path runs the AVX-512 path's arithmetic for float32 and float16: the same bits.
-    (Its bfloat16 products, on the tiles, are other sums with other last bits: the kernel's
-    tests, run on this path, judge them against the golden.)"""
+def test_the_amx_path_is_the_avx512_path_where_no_tile_runs(monkeypatch, dtype, case):
+    """The amx path runs the AVX-512 path's arithmetic for float16 and for float32 decoding: the
+    same bits. (Its bfloat16 products and its float32 scores run on the tiles, other sums with
+    other last bits: the kernel's tests, run on this path, judge them against the golden.)"""
     if not OPS.isa_supported("amx"):
         pytest.skip("this CPU lacks AMX-BF16 (or the OS's leave to use the tiles)")
     case = {**case, "dtype": dtype}
     tiles, plain = (_all_results(monkeypatch, name, case) for name in ("amx", "avx512"))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tiles, plain, strict=True):
         assert torch.equal(a, b), f"{name}: max diff {(a.double() - b.double()).abs().max():.3e}"
+
+
+def _hostile(q, k, kind):
+    """Values the tiles' three-part split cannot carry: a non-finite key that only the rows past
+    it see (causal: garbage the earlier rows must not see), or a row far below 2⁻⁸⁰ whose products
+    with keys scaled up are still of order one."""
+    q, k = q.detach().clone(), k.detach().clone()
+    if kind == "inf-key":
+        k[0, 0, 200, 3] = float("inf")
+    elif kind == "tiny-row":
+        q[0, 1, 40] *= 1e-30
+        k[0, 1, :64] *= 1e30
+    return q.requires_grad_(), k.requires_grad_()
+
+
+@pytest.mark.parametrize(
+    ("D", "kind"), [(64, "random"), (128, "random"), (40, "inf-key"), (64, "tiny-row")]
+)
+def test_amx_float32_scores_on_the_tiles_pass_the_rule(monkeypatch, D, kind):
+    """On the amx path float32 scores are tile products of three bfloat16 parts per value (six
+    products, chains of 32 values of d): other bits than the AVX-512 chains', the same rule. Rows
+    and keys holding values the split cannot carry get the AVX-512 chains instead."""
+    if not OPS.isa_supported("amx"):
+        pytest.skip("this CPU lacks AMX-BF16 (or the OS's leave to use the tiles)")
+    q, k, v = make_qkv(B=1, H=4, Nq=257, D=D, requires_grad=True)
+    q, k = _hostile(q, k, kind)
+    results = {}
+    for name in ("amx", "avx512"):
+        monkeypatch.setenv(isa.ENV, name)
+        out = qkv.attention(q, k, v, causal=True, backend="cpu")
+        results[name] = (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    assert not torch.equal(results["amx"][0], results["avx512"][0]), "the tiles did not run"
+    ref = qkv.attention(q, k, v, causal=True, backend="reference")
+    gold = golden(q, k, v, causal=True)
+    assert_error_ratio(results["amx"][0], ref, gold)
+    if kind == "inf-key":  # rows that see the inf key are NaN; all before it match the golden
+        assert torch.isfinite(gold[0, 0, :200]).all() and torch.isfinite(gold[0, 1:]).all()
+        return
+    ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g_out = qkv.attention(qd, kd, vd, causal=True, backend="reference")
+    gold_grads = torch.autograd.grad(g_out, (qd, kd, vd), torch.ones_like(g_out))
+    for got, r, g, what in zip(results["amx"][1:], ref_grads, gold_grads, "qkv", strict=True):
+        assert_error_ratio(got, r, g, factor=3.0, what=f"d{what}")
 
 
 @pytest.mark.parametrize("value", ["bogus", "avx512x"])

@@ -1,5 +1,6 @@
 // kernel.h compiled for AVX-512 with the AMX tile unit (Sapphire Rapids and later Xeons): the
-// avx512 path, except that the products of bfloat16 inputs run on the tiles (tiles_amx.h).
+// avx512 path, except that the products of bfloat16 inputs and the scores of float32 ones run
+// on the tiles (tiles_amx.h).
 // The target pragma applies to the functions defined below it only; headers come first,
 // compiled for the baseline.
 #include <cstdint>

@@ -9,7 +9,8 @@
 // head, so each K/V tile is read and packed once per group. Per kept tile:
 //
 //     S = Q Kᵀ · scale           tile_scores: float chains of 32 products (16 portable) summed
-//                                in double (fp32)
+//                                in double (fp32; on the amx path the chains are tile products
+//                                of three bfloat16 parts per value, tiles_amx.h)
 //     t = mods(S)                ALiBi / softcap in float, masked to −inf outside the bits
 //     m' = max(m, rowmax t);  P = exp(t − m');  l = l·α + rowsum P;  α = e^(m − m') in double
 //     acc = acc·α + P V          P V in one float chain per tile (16 keys portable) summed in double,
@@ -51,10 +52,23 @@ constexpr int64_t TILE_PV_N = 0;
 static inline void tile_put_p(V16, uint16_t*, uint16_t*, int64_t, int64_t) {}
 static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, const float*,
                            int64_t, float*, int64_t, const double*) {}
+static constexpr bool TILE_F32 = false;
+static inline int64_t tile_a3_elems(int64_t, int64_t) { return 0; }
+static inline void tile_pack_rows3(int64_t, int64_t, const float*, int64_t, uint16_t*, int8_t*, float) {}
+static inline bool tile_scale_folds(float) { return false; }
+static inline int64_t tile_b3_elems(int64_t) { return 0; }
+static inline uint64_t tile_pack_keys3(int64_t, const float*, int64_t, uint32_t*) { return 0; }
+static inline void tile_chain3(int64_t, int64_t, int64_t, const uint16_t*, const uint32_t*, int64_t,
+                               float*, int64_t, double, bool) {}
 #endif
 
 // whether this problem's products run on the tile unit (bfloat16 inputs on a path that has it)
 static inline bool on_tiles(const Problem& P) { return TILE_BF16 && P.dtype == DT_BF16; }
+// whether its precise float32 scores run on the tile unit, in three bfloat16 parts (tiles_amx.h):
+// the products gemm_chain would form, same chains of 32 summed in double
+static inline bool scores_on_tiles(const Problem& P) {
+  return TILE_F32 && P.dtype == DT_F32 && P.precise_scores && !P.dot_scores && P.D <= TILE_K_MAX;
+}
 
 // ------------------------------------------------------------------------- scalar conversions
 
@@ -269,8 +283,15 @@ struct Buf {
   double* kmaxc;      // forward: each slot's key_norm_max
   float* accf;        // tile unit, bfloat16: the forward's P·V accumulator (rows padded to 16)
   uint16_t *pah, *pal;  // tile unit, bfloat16: the forward's P as A tiles, two parts (tile_put_p)
-  uint16_t* qa;       // tile unit, bfloat16: the forward item's Q rows as A tiles (tile_pack_rows)
+  uint16_t* qa;       // tile unit: the forward item's Q rows as A tiles (tile_pack_rows; float32:
+                      // three parts, tile_pack_rows3)
   bool qa_on;         // qa holds the rows of w.q
+  int8_t* qbad;       // tile unit, float32: rows of qa the split cannot carry (gemm_chain forms them)
+  uint32_t* kb;       // tile unit, float32: the packed key tile's three parts (tile_pack_keys3)
+  uint64_t kbad;      // … its keys the split cannot carry (gemm_chain forms them)
+  uint32_t* kb0;      // … kb's own buffer (the backward; the forward's point into kbc)
+  uint32_t* kbc;      // forward: each kept key-tile slot's parts
+  uint64_t* kbadc;    // forward: each slot's kbad
   bool qa_scaled;     // … times the scale (a power of two)
 };
 
@@ -288,8 +309,10 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
                             R * BK, R * BK, imax(4 * R, BK) * Dm, P.lay.bq * Dvp + 16, Dm + 16, R, R};
   for (int64_t f : floats) bytes += (f * 4 + 63) & ~int64_t(63);
   bytes += 2 * ((R * 8 + 63) & ~int64_t(63)) + 2 * ((R * 4 + 63) & ~int64_t(63)) + 256;
-  bytes += 3 * ((R + 63) & ~int64_t(63));
-  const int64_t qa_elems = on_tiles(P) ? tile_a_elems(R, P.D) : 0;
+  bytes += 4 * ((R + 63) & ~int64_t(63));
+  const int64_t qa_elems = on_tiles(P) ? tile_a_elems(R, P.D) : scores_on_tiles(P) ? tile_a3_elems(R, P.D) : 0;
+  const int64_t kb_elems = scores_on_tiles(P) ? tile_b3_elems(P.D) : 0;
+  bytes += (kb_elems * 4 + 63) & ~int64_t(63);
   bytes += (qa_elems * 2 + 63) & ~int64_t(63);
   const int64_t accf_elems = on_tiles(P) ? (R + 15) / 16 * 16 * Dvp : 0;
   bytes += (accf_elems * 4 + 63) & ~int64_t(63);
@@ -337,6 +360,9 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.glo = (int8_t*)carve(cur, R);
   w.ghi = (int8_t*)carve(cur, R);
   w.qa = (uint16_t*)carve(cur, qa_elems * 2);
+  w.kb = w.kb0 = (uint32_t*)carve(cur, kb_elems * 4);
+  w.kbad = 0;
+  w.qbad = (int8_t*)carve(cur, R);
   w.accf = (float*)carve(cur, accf_elems * 4);
   w.pah = (uint16_t*)carve(cur, pa_elems * 2);
   w.pal = (uint16_t*)carve(cur, pa_elems * 2);
@@ -348,6 +374,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.ktc = nullptr;
   w.ktag = nullptr;
   w.kmaxc = nullptr;
+  w.kbc = nullptr;
+  w.kbadc = nullptr;
   return true;
 }
 
@@ -359,6 +387,8 @@ static void buf_free(Buf& w) {
   free(w.ktc);
   free(w.ktag);
   free(w.kmaxc);
+  free(w.kbc);
+  free(w.kbadc);
 }
 
 // ------------------------------------------------------------------------- packing
@@ -407,18 +437,42 @@ static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t
 // the P·V reads next (docs/cpu.md, "Decoding", gives what it changed).
 constexpr int64_t PREFETCH_ROWS = 48;
 
-// s[M × N] (ld BK) = round(q · kt · scale) for N columns of the packed transposed key tile kt
-// (ld BK): every score the same bits whatever M, N and the columns' offset (both gemms promise it)
-static void block_scores(const Problem& P, int64_t M, int64_t N, const float* q, int64_t ldq,
-                         const float* kt, float* s, const uint16_t* qa = nullptr,
-                         bool qa_scaled = false) {
+// s[M × N] (ld BK) = round(q · kt · scale) for rows R0 … R0+M−1 of w.q and key columns 16·lo …
+// 16·lo + N − 1 of the packed transposed key tile w.kt, into the same places of w.s: every score
+// the same bits whatever M, N and lo (each product promises it). Float32 scores on the tile unit
+// (scores_on_tiles) take the rows' parts from w.qa (packed once per forward item, else here) and
+// the key tile's from w.kb; rows and keys the split cannot carry get gemm_chain's bits instead.
+static void block_scores(const Problem& P, Buf& w, int64_t R0, int64_t M, int64_t lo, int64_t N) {
+  const int64_t Dp = P.Dp;
+  const float* q = w.q + R0 * Dp;
+  const float* kt = w.kt + 16 * lo;
+  float* s = w.s + R0 * BK + 16 * lo;
   if (P.precise_scores) {
-    gemm_chain(M, N, P.D, q, ldq, kt, BK, s, BK, P.mods.scale64);
+    if (!scores_on_tiles(P)) {
+      gemm_chain(M, N, P.D, q, Dp, kt, BK, s, BK, P.mods.scale64);
+      return;
+    }
+    const bool folded = tile_scale_folds(P.mods.scale);
+    if (!w.qa_on) tile_pack_rows3(M, P.D, q, Dp, w.qa, w.qbad + R0, folded ? P.mods.scale : 1.0f);
+    tile_chain3(M, N, P.D, w.qa_on ? w.qa + tile_a3_elems(R0, P.D) : w.qa, w.kb, lo, s, BK,
+                P.mods.scale64, folded);
+    for (int64_t r = 0; r < M; ++r)
+      if (w.qbad[R0 + r]) gemm_chain(1, N, P.D, q + r * Dp, Dp, kt, BK, s + r * BK, BK, P.mods.scale64);
+    const uint64_t cols = (w.kbad >> (16 * lo)) & (N == BK ? ~0ull : ((1ull << N) - 1));
+    for (int64_t c0 = 0; c0 < N; c0 += 16) {
+      const uint64_t u = (cols >> c0) & 0xFFFFull;
+      if (!u) continue;
+      gemm_chain(M, 16, P.D, q, Dp, kt + c0, BK, w.o, 16, P.mods.scale64);
+      for (int64_t c = 0; c < 16; ++c)
+        if (u >> c & 1)
+          for (int64_t r = 0; r < M; ++r) s[r * BK + c0 + c] = w.o[r * 16 + c];
+    }
     return;
   }
-  const bool tiles = on_tiles(P) && tile_gemm(M, N, P.D, q, ldq, qa, kt, BK, s, BK);
-  if (!tiles) gemm(M, N, P.D, q, ldq, 1, kt, BK, s, BK);
-  if (tiles && qa_scaled) return;  // the rows came scaled by a power of two: the same bits
+  const uint16_t* qa = w.qa_on ? w.qa + tile_a_elems(R0, P.D) : nullptr;
+  const bool tiles = on_tiles(P) && tile_gemm(M, N, P.D, q, Dp, qa, kt, BK, s, BK);
+  if (!tiles) gemm(M, N, P.D, q, Dp, 1, kt, BK, s, BK);
+  if (tiles && w.qa_scaled) return;  // the rows came scaled by a power of two: the same bits
   const V16 scale = v_set(P.mods.scale);
   for (int64_t R = 0; R < M; ++R)
     for (int64_t x = 0; x < N; x += 16) v_store(s + R * BK + x, v_mul(v_load(s + R * BK + x), scale));
@@ -455,7 +509,7 @@ static void tile_scores(const Problem& P, int64_t M, const float* q, const doubl
       for (int64_t j = kw; j < BK; ++j) w.s[R * BK + j] = w.slo[R * BK + j] = 0.0f;
     return;
   }
-  block_scores(P, M, BK, q, ldq, w.kt, w.s, w.qa_on ? w.qa : nullptr, w.qa_scaled);
+  block_scores(P, w, 0, M, 0, BK);
 }
 
 // exp(s − m) for scores 16q … 16q+15 of a row. With the scores' low parts (lorow: the row of
@@ -463,11 +517,16 @@ static void tile_scores(const Problem& P, int64_t M, const float* q, const doubl
 // float, and exp(x) · (1 + r) with r that rounding, exactly (s − m is exact near the row's
 // maximum and |s_lo| ≤ half an ulp of s, so r = s_lo − (x − (s − m))): a weight then carries
 // about a float rounding of itself, not one of its logit (x ≈ 10 rounds by 5e-7). r is 0 where
-// it is not finite (masked scores, −inf).
+// it is not finite (masked scores, −inf). Low parts of 2 or more (scores beyond 2²⁵, whose float
+// spacing is 4 or more) are read as 0: there e^(s_lo) at the row's maximum would overflow the
+// weights (found with keys scaled by 1e10), and scores that far apart make the row one-hot with or
+// without them (a low part times 2¹²⁷ is finite below 2).
 static inline V16 exp_scores(const float* srow, const float* lorow, int64_t q, V16 mv) {
   const V16 d = v_sub(v_load(srow + 16 * q), mv);
   if (!lorow) return v_exp(d);
-  const V16 lo = v_load(lorow + 16 * q), x = v_add(d, lo);
+  V16 lo = v_load(lorow + 16 * q);
+  lo = v_select(v_finite(v_mul(lo, v_set(0x1p127f))), lo, v_set(0.0f));
+  const V16 x = v_add(d, lo);
   V16 r = v_sub(lo, v_sub(x, d));
   r = v_select(v_finite(r), r, v_set(0.0f));
   const V16 e = v_exp(x);
@@ -625,6 +684,11 @@ static bool ktc_alloc(Buf& w, const Problem& P) {
   w.ktag = (int64_t*)malloc(KT_SLOTS * 8);
   w.kmaxc = (double*)malloc(KT_SLOTS * 8);
   if (!w.ktc || !w.ktag || !w.kmaxc) return false;
+  if (scores_on_tiles(P)) {
+    w.kbc = (uint32_t*)aligned_alloc(64, (size_t)(KT_SLOTS * tile_b3_elems(P.D)) * 4);
+    w.kbadc = (uint64_t*)malloc(KT_SLOTS * 8);
+    if (!w.kbc || !w.kbadc) return false;
+  }
   for (int64_t s = 0; s < KT_SLOTS; ++s) w.ktag[s] = -1;
   return true;
 }
@@ -642,9 +706,15 @@ static void fwd_key_tile(const Problem& P, int64_t b, int64_t hkv, int64_t j, in
   if (w.ktag[slot] != tag) {
     pack_k(P, b, hkv, c0, kw, w, false, false);
     w.kmaxc[slot] = P.precise_scores ? key_norm_max(P, w.kt, kw) : 0.0;
+    if (scores_on_tiles(P))
+      w.kbadc[slot] = tile_pack_keys3(P.D, w.kt, BK, w.kbc + slot * tile_b3_elems(P.D));
     w.ktag[slot] = need_kr || !keep ? -1 : tag;
   }
   w.kmax = w.kmaxc[slot];
+  if (scores_on_tiles(P)) {
+    w.kb = w.kbc + slot * tile_b3_elems(P.D);
+    w.kbad = w.kbadc[slot];
+  }
 }
 
 static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf& w) {
@@ -666,11 +736,14 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
   }
   // the tile unit reads the item's Q rows as A tiles for every key tile: packed once here
-  w.qa_on = on_tiles(P) && !P.dot_scores && P.D <= TILE_K_MAX;
-  // (scaled, where the scale is a power of two: q·k·2ᵉ rounds as (q·k)·2ᵉ does)
+  w.qa_on = (on_tiles(P) && !P.dot_scores && P.D <= TILE_K_MAX) || scores_on_tiles(P);
+  // (bfloat16: scaled, where the scale is a power of two: q·k·2ᵉ rounds as (q·k)·2ᵉ does)
   int scale_exp = 0;
-  w.qa_scaled = w.qa_on && __builtin_frexpf(P.mods.scale, &scale_exp) == 0.5f;
-  if (w.qa_on) tile_pack_rows(M, P.D, w.q, Dp, w.qa, w.qa_scaled ? P.mods.scale : 1.0f);
+  w.qa_scaled = on_tiles(P) && w.qa_on && __builtin_frexpf(P.mods.scale, &scale_exp) == 0.5f;
+  if (scores_on_tiles(P))
+    tile_pack_rows3(M, P.D, w.q, Dp, w.qa, w.qbad, tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
+  else if (w.qa_on)
+    tile_pack_rows(M, P.D, w.q, Dp, w.qa, w.qa_scaled ? P.mods.scale : 1.0f);
   __builtin_memset(w.acc, 0, (size_t)(M * Dvp) * 8);
   // bfloat16 on the tile unit: P·V adds into a float accumulator held by the tiles (its sums
   // of ≤ 4096 keys round at 2⁻²⁴ per add, far below the output's bfloat16 rounding), moved to
@@ -725,9 +798,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       for (int64_t R0 = 0; R0 < M; R0 += gs) {
         const int64_t lo = w.glo[R0 / gs], hi = w.ghi[R0 / gs];
         if (lo <= hi)
-          block_scores(P, imin(gs, M - R0), 16 * (hi - lo + 1), w.q + R0 * Dp, Dp, w.kt + 16 * lo,
-                       w.s + R0 * BK + 16 * lo, w.qa_on ? w.qa + tile_a_elems(R0, P.D) : nullptr,
-                       w.qa_scaled);
+          block_scores(P, w, R0, imin(gs, M - R0), lo, 16 * (hi - lo + 1));
       }
     }
     exact_rows(P, M, krows, ldk, kw, w);
@@ -904,6 +975,7 @@ static inline void bwd_pack(const Problem& P, int64_t b, int64_t hkv, int64_t c0
   pack_k(P, b, hkv, c0, kw, w, true, true);
   pack_v(P, b, hkv, c0, kw, w, true, true);
   if (P.precise_scores && !P.dot_scores) w.kmax = key_norm_max(P, w.kt, kw);
+  if (scores_on_tiles(P)) w.kbad = tile_pack_keys3(P.D, w.kt, BK, w.kb);
   if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
 }
 

@@ -1,7 +1,9 @@
-// The tile unit (Intel AMX, BF16) for the products of bfloat16 inputs. Included by isa_amx.cpp
-// after simd_avx512.h, inside its namespace; kernel.h reads TILE_BF16, tile_gemm (the scores),
-// tile_pack_rows, tile_put_p and tile_pv (the forward's P·V). Without this file (every other ISA) kernel.h's stand-ins say "no tiles" and the float micro-kernels
-// run every product.
+// The tile unit (Intel AMX, BF16) for the products of bfloat16 inputs and for the scores of
+// float32 ones. Included by isa_amx.cpp after simd_avx512.h, inside its namespace; kernel.h reads
+// TILE_BF16, tile_gemm (the scores), tile_pack_rows, tile_put_p and tile_pv (the forward's P·V),
+// and for float32 TILE_F32, tile_pack_rows3, tile_pack_keys3 and tile_chain3 (the scores, in
+// three bfloat16 parts per value; below). Without this file (every other ISA) kernel.h's
+// stand-ins say "no tiles" and the float micro-kernels run every product.
 //
 // A tile product C += A·B takes A as 16 rows × 32 bfloat16 and B as 16 rows of 16 bfloat16
 // pairs (B's rows 2p and 2p + 1 interleaved, the "VNNI" layout) and sums in float32: each
@@ -206,6 +208,201 @@ static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ahi, const 
       QKV_TILE_STORE(3)
 #undef QKV_TILE_STORE
     }
+  }
+  _tile_release();
+}
+
+// ------------------------------------------------------------------------- float32 on the tiles
+//
+// A float32 x is the exact sum of three bfloat16 parts, x = h + m + l (h = bf16(x), m =
+// bf16(x − h), l = x − h − m: 8 + 8 + 8 bits of x's 24), so a product q·k is the sum of the nine
+// products of parts, each exact in float32. The six kept (q_h k_h; q_h k_m, q_m k_h; q_h k_l,
+// q_m k_m, q_l k_h) leave out terms below 2⁻²⁵ of |q·k|, under a float rounding of it. The
+// tiles add them into a float32 accumulator, smallest first, so a score is one float chain of
+// 32 products per step of 32 values of d (the bigger parts' sum rounding as an FMA chain's
+// does), and the steps are summed in double: the arithmetic of gemm_chain's chains of 32, with
+// the tile unit doing the multiplying (about 16 times the FMA rate of the vector unit).
+// Values the split cannot carry exactly read as 0 and flag their row or column, whose scores the
+// caller forms with gemm_chain instead: non-finite ones, and nonzero ones below 2⁻⁸⁰ in
+// magnitude (their low parts, times a scale ≥ 2⁻¹⁶, would be subnormal, which the unit reads as 0). Where bf16(x) would
+// overflow (|x| ≥ 0x7F7F8000), h is x truncated to bfloat16 instead; the parts still sum to x.
+
+static constexpr bool TILE_F32 = true;
+
+// the parts of 16 floats as bfloat16 bits; the lanes that cannot be split set their bit in *bad
+static inline void split3(__m512 x, __m256i& h, __m256i& m, __m256i& l, __mmask16& bad) {
+  const __m512 ax = _mm512_abs_ps(x);
+  const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0x1p-80f), _CMP_LT_OQ) &
+                         _mm512_cmp_ps_mask(ax, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+  const __mmask16 ok = fin & (__mmask16)~tiny;
+  bad |= (__mmask16)~ok;
+  x = _mm512_maskz_mov_ps(ok, x);
+  const __mmask16 big = _mm512_cmp_ps_mask(ax, _mm512_castsi512_ps(_mm512_set1_epi32(0x7F7F8000)), _CMP_GE_OQ) & ok;
+  const __m512 trunc = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0xFFFF0000u)));
+  const __m512 hf = _mm512_mask_mov_ps(f32_of_bf16(bf16_bits(x)), big, trunc);
+  h = bf16_bits(hf);
+  const __m512 r = _mm512_sub_ps(x, hf);
+  m = bf16_bits(r);
+  l = bf16_bits(_mm512_sub_ps(r, f32_of_bf16(m)));
+}
+
+static inline __m512i vnni_pair(__m256i even, __m256i odd) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(even), _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16));
+}
+
+// The rows' parts (of the rows times scale: 1, or the scores' scale where tile_scale_folds) as A
+// tiles: row block m0/16, step kk, part p (h, m, l) at dst + ((m0/16 · nk + kk) · 3 + p) · 512,
+// nk = ⌈K/32⌉; bad[r] = 1 for a row the split cannot carry
+static inline int64_t tile_a3_elems(int64_t M, int64_t K) { return 3 * tile_a_elems(M, K); }
+static void tile_pack_rows3(int64_t M, int64_t K, const float* A, int64_t lda, uint16_t* dst,
+                            int8_t* bad, float scale) {
+  const int64_t nk = (K + TILE_K - 1) / TILE_K;
+  for (int64_t m0 = 0; m0 < M; m0 += 16)
+    for (int64_t r = 0; r < 16; ++r) {
+      __mmask16 b = 0;
+      for (int64_t kk = 0; kk < nk; ++kk) {
+        uint16_t* t = dst + (m0 / 16 * nk + kk) * 3 * 512 + r * 32;
+        for (int64_t hh = 0; hh < 2; ++hh) {
+          const int64_t c = kk * TILE_K + 16 * hh;
+          const __mmask16 mk = m0 + r < M ? first_n(K - c) : (__mmask16)0;
+          __m256i ph, pm, pl;
+          split3(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, A + (m0 + r) * lda + c), _mm512_set1_ps(scale)),
+                 ph, pm, pl, b);
+          _mm256_storeu_si256((__m256i*)(t + 16 * hh), ph);
+          _mm256_storeu_si256((__m256i*)(t + 512 + 16 * hh), pm);
+          _mm256_storeu_si256((__m256i*)(t + 1024 + 16 * hh), pl);
+        }
+      }
+      if (m0 + r < M) bad[m0 + r] = b != 0;
+    }
+}
+
+// A transposed key tile kt (K × 64 floats, ld ldb) as B tiles of parts: step kk, column tile t
+// (16 keys), part p at dst + ((kk · 4 + t) · 3 + p) · 256. Returns the columns the split cannot
+// carry, one bit per key.
+static inline int64_t tile_b3_elems(int64_t K) { return (K + TILE_K - 1) / TILE_K * 4 * 3 * 256; }
+static uint64_t tile_pack_keys3(int64_t K, const float* B, int64_t ldb, uint32_t* dst) {
+  const int64_t nk = (K + TILE_K - 1) / TILE_K;
+  uint64_t bad = 0;
+  for (int64_t t = 0; t < 4; ++t) {
+    __mmask16 b = 0;
+    for (int64_t kk = 0; kk < nk; ++kk) {
+      uint32_t* d = dst + (kk * 4 + t) * 3 * 256;
+      for (int64_t p = 0; p < 16; ++p) {
+        const int64_t k = kk * TILE_K + 2 * p;
+        const __m512 e = k < K ? _mm512_loadu_ps(B + k * ldb + 16 * t) : _mm512_setzero_ps();
+        const __m512 o = k + 1 < K ? _mm512_loadu_ps(B + (k + 1) * ldb + 16 * t) : _mm512_setzero_ps();
+        __m256i eh, em, el, oh, om, ol;
+        split3(e, eh, em, el, b);
+        split3(o, oh, om, ol, b);
+        _mm512_storeu_si512(d + p * 16, vnni_pair(eh, oh));
+        _mm512_storeu_si512(d + 256 + p * 16, vnni_pair(em, om));
+        _mm512_storeu_si512(d + 512 + p * 16, vnni_pair(el, ol));
+      }
+    }
+    bad |= (uint64_t)b << (16 * t);
+  }
+  return bad;
+}
+
+// C tile t (0–3, at run time) += A tile 4 · B tile BREG
+#define qkv_dp_c(t, BREG)                        \
+  switch (t) {                                   \
+    case 0: _tile_dpbf16ps(0, 4, BREG); break;   \
+    case 1: _tile_dpbf16ps(1, 4, BREG); break;   \
+    case 2: _tile_dpbf16ps(2, 4, BREG); break;   \
+    default: _tile_dpbf16ps(3, 4, BREG); break;  \
+  }
+
+// C[M×N] (ld ldc) = float(scale · Σ_kk chain_kk) for the rows' parts (apack, tile_pack_rows3)
+// against key columns 16·t0 … 16·t0 + N − 1 of the key tile's parts (bpack, tile_pack_keys3);
+// chain kk is the unit's float sum, from 0, of the six products of parts over d = 32kk … 32kk+31
+// in the order q_l k_h, q_m k_m, q_m k_h, q_h k_l, q_h k_m, q_h k_h; the chains widened to double
+// and added in order (gemm_chain's conventions). With `folded` (the rows' parts came times the
+// scale, a power of two: tile_scale_folds) the chains are added in order in float instead: for
+// D ≤ 64, two chains, one rounding of their sum either way, at a quarter of the vector work. The
+// same (row, key) gets the same bits from any call. N a multiple of 16, 16·t0 + N ≤ 64,
+// K ≤ TILE_K_MAX.
+// whether the scores' scale folds into the rows' parts: a power of two, so that (q·s)·k is
+// (q·k)·s exactly, and ≥ 2⁻¹⁶, so that no part it scales becomes subnormal (split3's bound)
+static inline bool tile_scale_folds(float scale) {
+  int e = 0;
+  return __builtin_frexpf(scale, &e) == 0.5f && e >= -15 && e <= 16;
+}
+
+static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
+                        const uint32_t* bpack, int64_t t0, float* C, int64_t ldc, double scale,
+                        bool folded) {
+  const int64_t nk = (K + TILE_K - 1) / TILE_K, nt = N / 16;
+  // each step's chains stored apart (cs + kk·1024) and summed once per row block, so the vector
+  // unit's widening and sums of one block overlap the tiles' products of the next
+  alignas(64) float cs[TILE_K_MAX / TILE_K * 16 * 64];
+  const __m512d sc = _mm512_set1_pd(scale);
+  tiles_on();
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t kk = 0; kk < nk; ++kk) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* a = apack + (m0 / 16 * nk + kk) * 3 * 512;
+      const uint32_t* b = bpack + (kk * 4 + t0) * 3 * 256;
+      // each pass of one A part and one B part runs over the four C tiles, so consecutive
+      // products write different accumulators, and B's loads rotate over tiles 5, 6, 7 (a
+      // load waits for the product that last read its tile): the order of the products per C
+      // tile is the one above
+      int reg = 0;
+#define QKV_PASS(PART)                                                  \
+  for (int64_t t = 0; t < nt; ++t, reg = reg == 2 ? 0 : reg + 1) {      \
+    const uint32_t* bt = b + t * 3 * 256 + (PART) * 256;                \
+    switch (reg) {                                                      \
+      case 0: _tile_loadd(5, bt, 64); qkv_dp_c(t, 5); break;            \
+      case 1: _tile_loadd(6, bt, 64); qkv_dp_c(t, 6); break;            \
+      default: _tile_loadd(7, bt, 64); qkv_dp_c(t, 7); break;           \
+    }                                                                   \
+  }
+      _tile_loadd(4, a + 2 * 512, 64);  // q_l
+      QKV_PASS(0)
+      _tile_loadd(4, a + 512, 64);  // q_m
+      QKV_PASS(1)
+      QKV_PASS(0)
+      _tile_loadd(4, a, 64);  // q_h
+      QKV_PASS(2)
+      QKV_PASS(1)
+      QKV_PASS(0)
+#undef QKV_PASS
+      float* c = cs + kk * 1024;
+      _tile_stored(0, c, 256);
+      if (nt > 1) _tile_stored(1, c + 16, 256);
+      if (nt > 2) _tile_stored(2, c + 32, 256);
+      if (nt > 3) _tile_stored(3, c + 48, 256);
+    }
+    if (folded) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t x = 0; x < N; x += 16) {
+          __m512 sum = _mm512_load_ps(cs + r * 64 + x);
+          for (int64_t kk = 1; kk < nk; ++kk) sum = _mm512_add_ps(sum, _mm512_load_ps(cs + kk * 1024 + r * 64 + x));
+          _mm512_storeu_ps(C + (m0 + r) * ldc + x, sum);
+        }
+      continue;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t x = 0; x < N; x += 16) {
+        __m512d lo = _mm512_setzero_pd(), hi = lo;
+        for (int64_t kk = 0; kk < nk; ++kk) {
+          const __m512 c = _mm512_load_ps(cs + kk * 1024 + r * 64 + x);
+          const __m512d l = _mm512_cvtps_pd(_mm512_castps512_ps256(c));
+          const __m512d h = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
+          lo = kk == 0 ? l : _mm512_add_pd(lo, l);
+          hi = kk == 0 ? h : _mm512_add_pd(hi, h);
+        }
+        const __m256 fl = _mm512_cvtpd_ps(_mm512_mul_pd(lo, sc)), fh = _mm512_cvtpd_ps(_mm512_mul_pd(hi, sc));
+        _mm512_storeu_ps(C + (m0 + r) * ldc + x,
+                         _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(fl)),
+                                                             _mm256_castps_pd(fh), 1)));
+      }
   }
   _tile_release();
 }
