@@ -130,22 +130,24 @@ def test_auto_result_equals_chosen_backend(qkv3):
 @pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "portable"])
 def test_without_avx512_plain_forwards_go_to_sdpa(isa, monkeypatch):
     # Where the kernel's forward was measured slower than SDPA's (no AVX-512: avx2 or portable
-    # path; AMX, where SDPA's own products use the tiles), auto hands SDPA the plain forward
-    # requests it would take, and with AMX the 16-bit gradients too; float32 gradients,
-    # decoding and structured masks stay on the kernel.
+    # path; AMX in 16 bits, where SDPA's own products use the tiles), auto hands SDPA the plain
+    # forward requests it would take, and with AMX the 16-bit gradients too; float32 gradients,
+    # decoding and structured masks stay on the kernel, and with AMX float32 forwards too.
     if cpu_kernel_or("") != "cpu":
         pytest.skip("the compiled CPU kernel is not available here")
     from qkv.kernels import cpu_backend
 
     monkeypatch.setattr(cpu_backend, "kernel_status", lambda: (isa, None))
-    fast = isa == "avx512"
+    fast = isa in ("avx512", "amx")
     q, k, v = make_qkv(B=1, H=2, Nq=256, D=16)
     d = qkv.dispatch(q, k, v)
     assert d.name == ("cpu" if fast else "sdpa")
     if not fast:
         assert f"its {isa} path" in d.reasons["cpu"]
     assert qkv.dispatch(q, k, v, causal=True, finite_inputs=True).name == d.name
-    qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    assert qkv.dispatch(qb, kb, vb).name == ("cpu" if isa == "avx512" else "sdpa")  # bf16
+    qb, kb, vb = (t.requires_grad_() for t in (qb, kb, vb))
     assert qkv.dispatch(qb, kb, vb).name == ("sdpa" if isa == "amx" else "cpu")  # gradients
     qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
     assert qkv.dispatch(qf, kf, vf).name == "cpu"  # float32 gradients never go to SDPA

@@ -54,14 +54,14 @@ SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.fl
 # kernel is ahead: 1.65× on Zen 5, and on Zen 4 (512-bit operations in two halves) 1.12× dense
 # and 1.25× causal in paired calls once the AVX-512 path took the AVX2 path's chains (it read
 # 0.96× before). Decoding: Nq·G ≤ DECODE_ROWS.
-FORWARD_FAST_ISAS = ("avx512",)
+FORWARD_FAST_ISAS = ("avx512", "amx")
 # With the AMX tile unit (Intel Xeon, Sapphire Rapids and later: the kernel's amx path) torch
-# SDPA is ahead on the plain dense and causal requests it takes, forward and forward + backward:
-# its 16-bit products run on the same tiles through oneDNN and its float32 ones through MKL at
-# full AVX-512 width. `python -m benchmarks.run cpu` on an Intel Xeon (family 6, model 167, 2
-# cores) measured the kernel at 0.90× / 0.81× SDPA dense fp32 (forward / forward + backward),
-# 0.98× / 0.92× causal, and bf16 0.37× / 0.58× before its forward took the tiles (0.72× dense,
-# 0.74× causal after, docs/cpu.md). Decoding (2.92×) and the structured masks stay on the kernel.
+# SDPA is ahead on the plain dense and causal 16-bit requests it takes, forward and forward +
+# backward: its 16-bit products run on the same tiles through oneDNN. `python -m benchmarks.run
+# cpu` on an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 at 0.72× /
+# 0.65× SDPA dense (forward / forward + backward) and 0.74× / 0.74× causal (docs/cpu.md). Its
+# float32 forward, scores on the tiles in three bfloat16 parts, is ahead there (the figures beside
+# FORWARD_FAST_ISAS in docs/cpu.md's machine table). Decoding and structured masks stay on it.
 SDPA_AHEAD_ISAS = ("amx",)
 DECODE_ROWS = 16
 
@@ -163,8 +163,8 @@ class CpuBackend:
         of the requests that `auto` would hand torch SDPA (not those SDPA refuses or `auto`
         keeps from it, such as float32 gradients: the next backend would then be `tiled`,
         slower than this kernel at every size), the tiny ones, without AVX-512 the
-        forward-only ones beyond decoding, and with AMX all of them beyond decoding, are faster
-        there."""
+        forward-only ones beyond decoding, and with AMX the 16-bit ones beyond decoding, are
+        faster there."""
         if sdpa.refusal(plan) is not None or sdpa.auto_passes_over(plan) is not None:
             return None
         limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
@@ -175,11 +175,11 @@ class CpuBackend:
             )
         isa = kernel_status()[0]
         beyond_decoding = plan.q_len * plan.groups > DECODE_ROWS
-        if isa in SDPA_AHEAD_ISAS and beyond_decoding:
+        if isa in SDPA_AHEAD_ISAS and beyond_decoding and plan.dtype != torch.float32:
             return (
                 f"on this CPU the kernel runs its {isa} path, where torch SDPA is faster on a "
-                f"plain dense or causal request, forward and backward (the kernel is ahead in "
-                f"decoding and on structured masks)"
+                f"plain dense or causal 16-bit request, forward and backward (the kernel is "
+                f"ahead in float32, in decoding and on structured masks)"
             )
         if isa not in FORWARD_FAST_ISAS and not plan.wants_grad and beyond_decoding:
             return (
