@@ -49,7 +49,7 @@ static inline bool tile_gemm(int64_t, int64_t, int64_t, const float*, int64_t, c
 static inline int64_t tile_a_elems(int64_t, int64_t) { return 0; }
 static inline void tile_pack_rows(int64_t, int64_t, const float*, int64_t, uint16_t*, float) {}
 constexpr int64_t TILE_PV_N = 0;
-static inline void tile_put_p(V16, uint16_t*, uint16_t*, int64_t, int64_t) {}
+static inline void tile_put_p(V16, V16, uint16_t*, uint16_t*, int64_t, int64_t) {}
 static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, const float*,
                            int64_t, float*, int64_t, const double*) {}
 static constexpr bool TILE_F32 = false;
@@ -293,6 +293,7 @@ struct Buf {
   uint32_t* kbc;      // forward: each kept key-tile slot's parts
   uint64_t* kbadc;    // forward: each slot's kbad
   bool qa_scaled;     // … times the scale (a power of two)
+  float* lv;          // tile unit, bfloat16: the forward's row sums l, 16 lanes a row
 };
 
 static inline char* carve(char*& cur, int64_t bytes) {
@@ -316,6 +317,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   bytes += (qa_elems * 2 + 63) & ~int64_t(63);
   const int64_t accf_elems = on_tiles(P) ? (R + 15) / 16 * 16 * Dvp : 0;
   bytes += (accf_elems * 4 + 63) & ~int64_t(63);
+  const int64_t lv_elems = on_tiles(P) ? R * 16 : 0;
+  bytes += (lv_elems * 4 + 63) & ~int64_t(63);
   const int64_t pa_elems = on_tiles(P) ? (R + 15) / 16 * 16 * BK : 0;
   bytes += 2 * ((pa_elems * 2 + 63) & ~int64_t(63));
   const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, R};
@@ -364,6 +367,7 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.kbad = 0;
   w.qbad = (int8_t*)carve(cur, R);
   w.accf = (float*)carve(cur, accf_elems * 4);
+  w.lv = (float*)carve(cur, lv_elems * 4);
   w.pah = (uint16_t*)carve(cur, pa_elems * 2);
   w.pal = (uint16_t*)carve(cur, pa_elems * 2);
   w.qa_on = w.qa_scaled = false;
@@ -753,6 +757,10 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
   auto accf_to_acc = [&] {
     for (int64_t x = 0; x < M * Dvp; ++x) w.acc[x] = (double)w.accf[x];
   };
+  // bfloat16 on the tile unit: each row's l kept in 16 float lanes (l = l·α + P's lanes, no
+  // horizontal sum per tile; float sums round at 2⁻²⁴, far below the output's rounding), summed
+  // in double at the end
+  if (on_tiles(P)) __builtin_memset(w.lv, 0, (size_t)(M * 16) * 4);
   const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
   for (int64_t e = it.e0; e < it.e1; ++e) {
     const int64_t j = L.col_idx[e], code = L.code[e], c0 = tile_c0(P, j), kw = tile_kw(P, j);
@@ -803,12 +811,14 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
     exact_rows(P, M, krows, ldk, kw, w);
     const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv), tiles_p = tiles_pv && v_finite;
-    // P as the tiles read it (two bfloat16 parts) or as floats
-    auto put_p = [&](int64_t R, int64_t q, V16 x) {
-      if (tiles_p)
-        tile_put_p(x, w.pah, w.pal, R, q);
-      else
-        v_store(w.p + R * BK + 16 * q, x);
+    // P (keys 16q … 16q+31, q even) as the tiles read it (two bfloat16 parts) or as floats
+    auto put_p = [&](int64_t R, int64_t q, V16 x0, V16 x1) {
+      if (tiles_p) {
+        tile_put_p(x0, x1, w.pah, w.pal, R, q);
+      } else {
+        v_store(w.p + R * BK + 16 * q, x0);
+        v_store(w.p + R * BK + 16 * q + 16, x1);
+      }
     };
     for (int64_t R = 0; R < M; ++R) {
       float* srow = w.s + R * BK;
@@ -816,28 +826,43 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[R]];
       w.alpha[R] = 1.0;
       if (allowed == 0) {
-        for (int64_t q = 0; q < 4; ++q) put_p(R, q, zero);
+        put_p(R, 0, zero, zero);
+        put_p(R, 2, zero, zero);
         continue;
       }
       row_scores(P.mods, w.slope[R], w.qpos[R], c0, allowed, srow, srow, nullptr);
       V16 mx = v_max(v_max(v_load(srow), v_load(srow + 16)), v_max(v_load(srow + 32), v_load(srow + 48)));
-      const float tmax = v_hmax(mx), mold = w.mrow[R];
-      const float mnew = tmax > mold ? tmax : mold;
+      // the row's maximum moves only where some score exceeds it: the horizontal maximum is
+      // formed only then (after a row's first tiles, rarely)
+      const float mold = w.mrow[R];
+      float mnew = mold;
+      if (v_any_gt(mx, mold)) {
+        const float tmax = v_hmax(mx);
+        mnew = tmax > mold ? tmax : mold;
+      }
       if (mnew == NEG_INF) {
-        for (int64_t q = 0; q < 4; ++q) put_p(R, q, zero);
+        put_p(R, 0, zero, zero);
+        put_p(R, 2, zero, zero);
         continue;
       }
       const V16 mv = v_set(mnew);
-      V16 sum = zero;
+      V16 sum = zero, ev[4];
       for (int64_t q = 0; q < 4; ++q) {
-        V16 ev = exp_scores(srow, lorow, q, mv);
-        sum = v_add(sum, ev);
-        if (P.drop.on) ev = v_select(drop_keep(P.drop, w.rowh[R], w.colh + 16 * q), v_mul(ev, keep_scale), zero);
-        put_p(R, q, ev);
+        ev[q] = exp_scores(srow, lorow, q, mv);
+        sum = v_add(sum, ev[q]);
+        if (P.drop.on)
+          ev[q] = v_select(drop_keep(P.drop, w.rowh[R], w.colh + 16 * q), v_mul(ev[q], keep_scale), zero);
       }
+      put_p(R, 0, ev[0], ev[1]);
+      put_p(R, 2, ev[2], ev[3]);
       const double alpha =
           mold == mnew ? 1.0 : (mold == NEG_INF ? 0.0 : __builtin_exp((double)mold - (double)mnew));
-      w.l[R] = w.l[R] * alpha + (double)v_hsum(sum);
+      if (on_tiles(P)) {
+        const V16 lr = v_load(w.lv + 16 * R);
+        v_store(w.lv + 16 * R, alpha == 1.0 ? v_add(lr, sum) : v_fma(lr, v_set((float)alpha), sum));
+      } else {
+        w.l[R] = w.l[R] * alpha + (double)v_hsum(sum);
+      }
       w.mrow[R] = mnew;
       w.alpha[R] = alpha;
     }
@@ -868,6 +893,12 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
   }
   if (tiles_pv) accf_to_acc();
+  if (on_tiles(P))
+    for (int64_t R = 0; R < M; ++R) {
+      double l = 0.0;
+      for (int64_t x = 0; x < 16; ++x) l += (double)w.lv[16 * R + x];
+      w.l[R] = l;
+    }
   const int64_t key = (b * P.Hkv + hkv) * L.nqb + i;
   const int32_t nsplit = F.nsplit[key];
   if (nsplit <= 1) {

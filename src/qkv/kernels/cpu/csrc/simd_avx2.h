@@ -47,6 +47,11 @@ static inline float hmax8(__m256 x) {
   return _mm_cvtss_f32(m);
 }
 static inline float v_hmax(V16 x) { return hmax8(_mm256_max_ps(x.a, x.b)); }
+// whether some lane exceeds b (NaN lanes do not)
+static inline bool v_any_gt(V16 x, float b) {
+  const __m256 s = _mm256_set1_ps(b);
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x.a, s, _CMP_GT_OQ), _mm256_cmp_ps(x.b, s, _CMP_GT_OQ))) != 0;
+}
 static inline float v_hsum(V16 x) {
   __m256 s = _mm256_add_ps(x.a, x.b);
   __m128 m = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));

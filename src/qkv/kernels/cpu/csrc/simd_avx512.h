@@ -31,6 +31,10 @@ static inline V16 v_max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 static inline M16 m_bits(uint32_t bits) { return {(__mmask16)bits}; }
 static inline V16 v_select(M16 m, V16 a, V16 b) { return {_mm512_mask_blend_ps(m.k, b.v, a.v)}; }
 static inline float v_hmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
+// whether some lane exceeds b (NaN lanes do not)
+static inline bool v_any_gt(V16 a, float b) {
+  return _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(b), _CMP_GT_OQ) != 0;
+}
 static inline float v_hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 // lanes equal to themselves minus themselves are finite
 static inline M16 v_finite(V16 a) {

@@ -42,6 +42,12 @@ static inline float v_hmax(V16 a) {
   for (int i = 1; i < 16; ++i) m = max1(a.x[i], m);
   return m;
 }
+// whether some lane exceeds b (NaN lanes do not)
+static inline bool v_any_gt(V16 a, float b) {
+  bool any = false;
+  for (int i = 0; i < 16; ++i) any = any || a.x[i] > b;
+  return any;
+}
 static inline float v_hsum(V16 a) {
   float s[8];
   for (int i = 0; i < 8; ++i) s[i] = a.x[i] + a.x[i + 8];

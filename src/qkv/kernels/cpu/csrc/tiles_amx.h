@@ -10,8 +10,9 @@
 // product of two bfloat16 is exact in float32, the sums round as float sums do. The operands
 // are the kernel's float copies of bfloat16 data (Q, K, V: exact in bfloat16) and, for a
 // weight matrix such as P (float32, not bfloat16), two bfloat16 parts hi + lo with
-// hi = bf16(x), lo = bf16(x − hi): 16 bits of x's 24, so a weight carries a rounding of
-// 2⁻¹⁷ of itself where one bfloat16 would carry 2⁻⁹ (the size of the output's own rounding).
+// hi = x truncated to bfloat16, lo = bf16(x − hi): about 16 bits of x's 24, so a weight carries
+// a rounding of at most 2⁻¹⁶ of itself where one bfloat16 would carry 2⁻⁹ (the size of the
+// output's own rounding).
 // Subnormal inputs and results are flushed to zero by the unit (below 1.2e-38 in magnitude).
 
 #define QKV_TILE_BF16 1
@@ -144,13 +145,21 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
   return true;
 }
 
-// P (16 floats: keys 16q … 16q+15 of row R) as the A tiles tile_pv reads, in two parts:
-// row block R/16, key step q/2, at hi/lo + (R/16 · 2 + q/2) · 512
-static inline void tile_put_p(V16 x, uint16_t* hi, uint16_t* lo, int64_t R, int64_t q) {
-  const int64_t at = (R / 16 * 2 + q / 2) * 512 + (R % 16) * 32 + 16 * (q % 2);
-  const __m256i h = bf16_bits(x.v);
-  _mm256_storeu_si256((__m256i*)(hi + at), h);
-  _mm256_storeu_si256((__m256i*)(lo + at), bf16_bits(_mm512_sub_ps(x.v, f32_of_bf16(h))));
+// P (32 floats x0, x1: keys 16q … 16q+31 of row R, q even) as the A tiles tile_pv reads, in two
+// parts: hi = x with its low 16 bits cleared (a bfloat16 by truncation), lo = bf16(x − hi)
+// (x − hi is exact, below 2⁻⁷ of x; lo rounds it to nearest: a weight carries at most 2⁻¹⁶ of
+// itself), row block R/16, key step q/2, at hi/lo + (R/16 · 2 + q/2) · 512. Two vectors at once:
+// one permutation gathers the 32 high halves, one conversion rounds the 32 low parts.
+static inline void tile_put_p(V16 x0, V16 x1, uint16_t* hi, uint16_t* lo, int64_t R, int64_t q) {
+  const int64_t at = (R / 16 * 2 + q / 2) * 512 + (R % 16) * 32;
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+  const __m512i b0 = _mm512_castps_si512(x0.v), b1 = _mm512_castps_si512(x1.v);
+  const __m512 l0 = _mm512_sub_ps(x0.v, _mm512_castsi512_ps(_mm512_and_si512(b0, top)));
+  const __m512 l1 = _mm512_sub_ps(x1.v, _mm512_castsi512_ps(_mm512_and_si512(b1, top)));
+  _mm512_storeu_si512(hi + at, _mm512_permutex2var_epi16(b0, odd, b1));
+  _mm512_storeu_si512(lo + at, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
 }
 
 // acc[M×N] (float, ld ldc, rows padded to a multiple of 16) = acc·alpha[m] + A·B with A (M × K,
