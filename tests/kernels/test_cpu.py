@@ -124,6 +124,16 @@ def test_mask_pattern_forward_and_gradients(name, n, causal):
                  mask=m, causal=causal)  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["window", "document", "varlen-causal", "per-head"])
+def test_bfloat16_gradients_under_masks(name):
+    """The bfloat16 backward (on the amx path its products run on the tile unit, P and dS in two
+    parts) over partial tiles, a last tile of 44 rows (N = 300, tiles of 64) and Dv ≠ D."""
+    n = 300
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, Nq=n, D=64, Dv=40, dtype=torch.bfloat16, requires_grad=True)
+    m = PATTERNS[name](n)
+    _check_grads(CpuBackend(), q, k, v, torch.bfloat16, mask_ref=m.dense4(n, n), mask=m)
+
+
 @pytest.mark.parametrize("shape", ["batch", "head", "rows-only", "full"])
 def test_bool_mask_tensor(shape):
     q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=70, Nk=90, D=16, requires_grad=True)

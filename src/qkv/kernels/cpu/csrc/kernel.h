@@ -50,6 +50,9 @@ static inline int64_t tile_a_elems(int64_t, int64_t) { return 0; }
 static inline void tile_pack_rows(int64_t, int64_t, const float*, int64_t, uint16_t*, float) {}
 constexpr int64_t TILE_PV_N = 0;
 static inline void tile_put_p(V16, V16, uint16_t*, uint16_t*, int64_t, int64_t) {}
+static inline void tile_pack_a(int64_t, int64_t, const float*, int64_t, bool, int, uint16_t*) {}
+static inline void tile_acc(int64_t, int64_t, int64_t, const uint16_t*, int, const float*, int64_t,
+                            uint32_t*, double*, int64_t) {}
 static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, const float*,
                            int64_t, float*, int64_t, const double*) {}
 static constexpr bool TILE_F32 = false;
@@ -64,6 +67,10 @@ static inline void tile_chain3(int64_t, int64_t, int64_t, const uint16_t*, const
 
 // whether this problem's products run on the tile unit (bfloat16 inputs on a path that has it)
 static inline bool on_tiles(const Problem& P) { return TILE_BF16 && P.dtype == DT_BF16; }
+// whether its backward's products run on the tile unit too (bfloat16: dP, dV, dK and dQ)
+static inline bool bwd_on_tiles(const Problem& P) {
+  return on_tiles(P) && P.Dp <= TILE_PV_N && P.Dvp <= TILE_PV_N;
+}
 // whether its precise float32 scores run on the tile unit, in three bfloat16 parts (tiles_amx.h):
 // the products gemm_chain would form, same chains of 32 summed in double
 static inline bool scores_on_tiles(const Problem& P) {
@@ -294,6 +301,8 @@ struct Buf {
   uint64_t* kbadc;    // forward: each slot's kbad
   bool qa_scaled;     // … times the scale (a power of two)
   float* lv;          // tile unit, bfloat16: the forward's row sums l, 16 lanes a row
+  uint16_t* ta;       // tile unit, bfloat16 backward: Pᵀ, dSᵀ or dS as A tiles (tile_pack_a)
+  uint32_t* tb;       // … the other operand as B tiles (tile_acc)
 };
 
 static inline char* carve(char*& cur, int64_t bytes) {
@@ -319,6 +328,10 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   bytes += (accf_elems * 4 + 63) & ~int64_t(63);
   const int64_t lv_elems = on_tiles(P) ? R * 16 : 0;
   bytes += (lv_elems * 4 + 63) & ~int64_t(63);
+  const int64_t bqa = (R + 31) / 32 * 32;  // the backward's tile rows (bq), to a whole step
+  const int64_t ta_elems = bwd_on_tiles(P) ? 2 * 512 * imax(4 * (bqa / 32), bqa / 16 * 2) : 0;
+  const int64_t tb_elems = bwd_on_tiles(P) ? imax(bqa / 32, 2) * (imax(Dp, Dvp) / 16) * 256 : 0;
+  bytes += ((ta_elems * 2 + 63) & ~int64_t(63)) + ((tb_elems * 4 + 63) & ~int64_t(63));
   const int64_t pa_elems = on_tiles(P) ? (R + 15) / 16 * 16 * BK : 0;
   bytes += 2 * ((pa_elems * 2 + 63) & ~int64_t(63));
   const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, R};
@@ -368,6 +381,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.qbad = (int8_t*)carve(cur, R);
   w.accf = (float*)carve(cur, accf_elems * 4);
   w.lv = (float*)carve(cur, lv_elems * 4);
+  w.ta = (uint16_t*)carve(cur, ta_elems * 2);
+  w.tb = (uint32_t*)carve(cur, tb_elems * 4);
   w.pah = (uint16_t*)carve(cur, pa_elems * 2);
   w.pal = (uint16_t*)carve(cur, pa_elems * 2);
   w.qa_on = w.qa_scaled = false;
@@ -1109,7 +1124,12 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
         exact_rows(P, nr, w.kr, Dp, kw, w);
         if (exact || !DP_FLOAT_CHAINS) dp_operands(P, nr, vt_ready, w);
-        gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);
+        // bfloat16: dO Vᵀ on the tiles (one float chain over Dv, widened), else gemm_dp
+        if (!exact && bwd_on_tiles(P) && tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, w.o, BK)) {
+          for (int64_t x = 0; x < nr * BK; ++x) w.dp64[x] = (double)w.o[x];
+        } else {
+          gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);
+        }
         for (int64_t r = 0; r < nr; ++r) {
           float* srow = w.s + r * BK;
           const float* lorow = lo_row(P, w, r);
@@ -1144,14 +1164,23 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         if (P.exact_dkv) {
           gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp);
           gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp);
+        } else if (bwd_on_tiles(P)) {  // Pᵀ and dSᵀ in two parts (keys ≥ kw: P = dS = 0)
+          tile_pack_a(BK, nr, w.p, BK, true, 2, w.ta);
+          tile_acc(BK, Dvp, nr, w.ta, 2, w.dO, Dvp, w.tb, w.dv64, Dvp);
+          tile_pack_a(BK, nr, w.ds, BK, true, 2, w.ta);
+          tile_acc(BK, Dp, nr, w.ta, 2, w.q, Dp, w.tb, w.dk64, Dp);
         } else {
           gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp, w.o, acc_chain);
           gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp, w.o, acc_chain);
         }
-        if (P.exact_dq)
+        if (P.exact_dq) {
           gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp);
-        else
+        } else if (bwd_on_tiles(P)) {
+          tile_pack_a(nr, BK, w.ds, BK, false, 2, w.ta);
+          tile_acc(nr, Dp, BK, w.ta, 2, w.kr, Dp, w.tb, qacc + g * bq * Dp, Dp);
+        } else {
           gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp, w.o, acc_chain);
+        }
       }
     }
     if (e1 > e0) {

@@ -415,3 +415,107 @@ static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
   }
   _tile_release();
 }
+
+// ------------------------------------------------------------------------- the bf16 backward
+//
+// The backward's products for bfloat16 inputs: dP = dO Vᵀ (tile_gemm: dO and V hold bfloat16
+// values, one part each), dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K (tile_acc), with P and dS
+// (floats) in two parts as the forward's P (tile_put_p) and dO, Q, K in one.
+
+// 32 floats of a row (x0, x1) as 32 bfloat16 in one or two parts (tile_put_p's split) at d,
+// d + 512
+static inline void put_row_parts(__m512 x0, __m512 x1, int parts, uint16_t* d) {
+  if (parts == 1) {
+    _mm512_storeu_si512(d, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    return;
+  }
+  tile_put_p({x0}, {x1}, d, d + 512, 0, 0);
+}
+
+// A tiles (`parts` parts) of X's rows (M rows of K floats, ld ldx): A[m][k] = X[m][k]; or, with
+// `transposed`, of Xᵀ for X of K rows × M columns: A[m][k] = X[k][m]. Row block m/16, step kk,
+// part p at dst + ((m/16 · nk + kk) · parts + p) · 512, nk = ⌈K/32⌉; zero past M and K. M a
+// multiple of 16 where transposed.
+static void tile_pack_a(int64_t M, int64_t K, const float* X, int64_t ldx, bool transposed,
+                        int parts, uint16_t* dst) {
+  const int64_t nk = (K + TILE_K - 1) / TILE_K;
+  alignas(64) float t[32 * 16];  // transposed: rows m, 32 values of k
+  for (int64_t m0 = 0; m0 < M; m0 += 16)
+    for (int64_t kk = 0; kk < nk; ++kk) {
+      uint16_t* d = dst + (m0 / 16 * nk + kk) * parts * 512;
+      const int64_t k0 = kk * TILE_K;
+      if (transposed) {
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t kb = k0 + 16 * h;
+          alignas(64) float blk[16 * 16];
+          for (int64_t r = 0; r < 16; ++r)
+            _mm512_store_ps(blk + 16 * r, kb + r < K ? _mm512_loadu_ps(X + (kb + r) * ldx + m0) : _mm512_setzero_ps());
+          transpose16(blk, 16, t + 16 * h, 32);
+        }
+        for (int64_t m = 0; m < 16; ++m)
+          put_row_parts(_mm512_load_ps(t + 32 * m), _mm512_load_ps(t + 32 * m + 16), parts, d + 32 * m);
+        continue;
+      }
+      for (int64_t m = 0; m < 16; ++m) {
+        const bool in = m0 + m < M;
+        const float* x = X + (m0 + m) * ldx + k0;
+        const __m512 x0 = in ? _mm512_maskz_loadu_ps(first_n(K - k0), x) : _mm512_setzero_ps();
+        const __m512 x1 = in ? _mm512_maskz_loadu_ps(first_n(K - k0 - 16), x + 16) : _mm512_setzero_ps();
+        put_row_parts(x0, x1, parts, d + 32 * m);
+      }
+    }
+}
+
+// D[m·ldd + n] += Σ_k A[m][k] · B[k][n] for A packed by tile_pack_a (`parts` parts, K values of
+// k) and B the K rows of y (ld ldb, floats holding bfloat16 values; N a multiple of 16, at most
+// TILE_PV_N), packed here into bt (⌈K/32⌉ · N/16 · 256 elements): one float chain per element
+// over all of K (the unit's sums; per step of 32 the low part of A first), widened and added to D
+// (the float kernels' ONE_CHAIN for 16-bit inputs).
+static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, int parts,
+                     const float* y, int64_t ldb, uint32_t* bt, double* D, int64_t ldd) {
+  const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
+  alignas(64) float cs[16 * 64];
+  for (int64_t kk = 0; kk < nk; ++kk)
+    for (int64_t t = 0; t < ntt; ++t)
+      pack_b(y + kk * TILE_K * ldb + 16 * t, ldb, K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K,
+             bt + (kk * ntt + t) * 256);
+  tiles_on();
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t t0 = 0; t0 < ntt; t0 += 4) {
+      const int64_t nt = ntt - t0 < 4 ? ntt - t0 : 4;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      int reg = 0;
+      for (int64_t kk = 0; kk < nk; ++kk)
+        for (int p = parts - 1; p >= 0; --p) {
+          _tile_loadd(4, apack + ((m0 / 16 * nk + kk) * parts + p) * 512, 64);
+          for (int64_t t = 0; t < nt; ++t, reg = reg == 2 ? 0 : reg + 1) {
+            const uint32_t* b = bt + (kk * ntt + t0 + t) * 256;
+            switch (reg) {
+              case 0: _tile_loadd(5, b, 64); qkv_dp_c(t, 5); break;
+              case 1: _tile_loadd(6, b, 64); qkv_dp_c(t, 6); break;
+              default: _tile_loadd(7, b, 64); qkv_dp_c(t, 7); break;
+            }
+          }
+        }
+      _tile_stored(0, cs, 256);
+      if (nt > 1) _tile_stored(1, cs + 16, 256);
+      if (nt > 2) _tile_stored(2, cs + 32, 256);
+      if (nt > 3) _tile_stored(3, cs + 48, 256);
+      for (int64_t r = 0; r < rows; ++r) {
+        double* d = D + (m0 + r) * ldd + 16 * t0;
+        for (int64_t x = 0; x < 16 * nt; x += 16) {
+          const __m512 c = _mm512_load_ps(cs + r * 64 + x);
+          const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(c));
+          const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
+          _mm512_storeu_pd(d + x, _mm512_add_pd(_mm512_loadu_pd(d + x), lo));
+          _mm512_storeu_pd(d + x + 8, _mm512_add_pd(_mm512_loadu_pd(d + x + 8), hi));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
