@@ -131,8 +131,8 @@ def test_auto_result_equals_chosen_backend(qkv3):
 def test_without_avx512_plain_forwards_go_to_sdpa(isa, monkeypatch):
     # Where the kernel's forward was measured slower than SDPA's (no AVX-512: avx2 or portable
     # path; AMX in 16 bits, where SDPA's own products use the tiles), auto hands SDPA the plain
-    # forward requests it would take, and with AMX the 16-bit gradients too; float32 gradients,
-    # decoding and structured masks stay on the kernel, and with AMX float32 forwards too.
+    # forward requests it would take, and with AMX float16 gradients too; float32 and bfloat16
+    # gradients, decoding and structured masks stay on the kernel, and with AMX float32 forwards.
     if cpu_kernel_or("") != "cpu":
         pytest.skip("the compiled CPU kernel is not available here")
     from qkv.kernels import cpu_backend
@@ -148,7 +148,9 @@ def test_without_avx512_plain_forwards_go_to_sdpa(isa, monkeypatch):
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))
     assert qkv.dispatch(qb, kb, vb).name == ("cpu" if isa == "avx512" else "sdpa")  # bf16
     qb, kb, vb = (t.requires_grad_() for t in (qb, kb, vb))
-    assert qkv.dispatch(qb, kb, vb).name == ("sdpa" if isa == "amx" else "cpu")  # gradients
+    assert qkv.dispatch(qb, kb, vb).name == "cpu"  # bf16 gradients
+    qh, kh, vh = (t.detach().half().requires_grad_() for t in (qb, kb, vb))
+    assert qkv.dispatch(qh, kh, vh).name == ("sdpa" if isa == "amx" else "cpu")  # fp16 gradients
     qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
     assert qkv.dispatch(qf, kf, vf).name == "cpu"  # float32 gradients never go to SDPA
     qd, kd, vd = make_qkv(B=1, H=2, Nq=1, Nk=65536, D=16)

@@ -56,12 +56,13 @@ SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.fl
 # 0.96× before). Decoding: Nq·G ≤ DECODE_ROWS.
 FORWARD_FAST_ISAS = ("avx512", "amx")
 # With the AMX tile unit (Intel Xeon, Sapphire Rapids and later: the kernel's amx path) torch
-# SDPA is ahead on the plain dense and causal 16-bit requests it takes, forward and forward +
-# backward: its 16-bit products run on the same tiles through oneDNN. `python -m benchmarks.run
-# cpu` on an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 at 0.72× /
-# 0.65× SDPA dense (forward / forward + backward) and 0.74× / 0.74× causal (docs/cpu.md). Its
-# float32 forward, scores on the tiles in three bfloat16 parts, is ahead there (the figures beside
-# FORWARD_FAST_ISAS in docs/cpu.md's machine table). Decoding and structured masks stay on it.
+# SDPA's 16-bit products run on the same tiles through oneDNN. `python -m benchmarks.run cpu` on
+# an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 forward at 0.96× SDPA
+# (dense and causal, N = 4096) and its bf16 forward + backward at 1.06× (dense) and 1.12×
+# (causal), with its float32 forward at 1.02× / 1.07× (docs/cpu.md, the machine table's Intel
+# columns). So on that path SDPA keeps the plain 16-bit forwards beyond decoding, and float16
+# requests with gradients too (float16 has no tile path: AMX-FP16 is another CPU's); bf16
+# gradients, float32, decoding and structured masks stay on the kernel.
 SDPA_AHEAD_ISAS = ("amx",)
 DECODE_ROWS = 16
 
@@ -163,8 +164,8 @@ class CpuBackend:
         of the requests that `auto` would hand torch SDPA (not those SDPA refuses or `auto`
         keeps from it, such as float32 gradients: the next backend would then be `tiled`,
         slower than this kernel at every size), the tiny ones, without AVX-512 the
-        forward-only ones beyond decoding, and with AMX the 16-bit ones beyond decoding, are
-        faster there."""
+        forward-only ones beyond decoding, and with AMX the 16-bit forwards and the float16
+        backwards beyond decoding, are faster there."""
         if sdpa.refusal(plan) is not None or sdpa.auto_passes_over(plan) is not None:
             return None
         limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
@@ -175,11 +176,14 @@ class CpuBackend:
             )
         isa = kernel_status()[0]
         beyond_decoding = plan.q_len * plan.groups > DECODE_ROWS
-        if isa in SDPA_AHEAD_ISAS and beyond_decoding and plan.dtype != torch.float32:
+        tiles_ahead = plan.dtype == torch.float32 or (
+            plan.dtype == torch.bfloat16 and plan.wants_grad
+        )
+        if isa in SDPA_AHEAD_ISAS and beyond_decoding and not tiles_ahead:
             return (
                 f"on this CPU the kernel runs its {isa} path, where torch SDPA is faster on a "
-                f"plain dense or causal 16-bit request, forward and backward (the kernel is "
-                f"ahead in float32, in decoding and on structured masks)"
+                f"plain dense or causal 16-bit forward (and float16 backward; the kernel is "
+                f"ahead in float32, bfloat16 gradients, decoding and structured masks)"
             )
         if isa not in FORWARD_FAST_ISAS and not plan.wants_grad and beyond_decoding:
             return (
