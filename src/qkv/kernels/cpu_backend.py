@@ -53,16 +53,18 @@ SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.fl
 # 16-bit forward + backward stay ahead (float32 gradients never go to SDPA). With AVX-512 the
 # kernel is ahead: 1.65× on Zen 5, and on Zen 4 (512-bit operations in two halves) 1.12× dense
 # and 1.25× causal in paired calls once the AVX-512 path took the AVX2 path's chains (it read
-# 0.96× before). Decoding: Nq·G ≤ DECODE_ROWS.
+# 0.96× before); with AMX (Intel Xeon) its float32 forward, scores on the tiles, is ahead too
+# (below; its 16-bit forwards are SDPA_AHEAD_ISAS's). Decoding: Nq·G ≤ DECODE_ROWS.
 FORWARD_FAST_ISAS = ("avx512", "amx")
 # With the AMX tile unit (Intel Xeon, Sapphire Rapids and later: the kernel's amx path) torch
 # SDPA's 16-bit products run on the same tiles through oneDNN. `python -m benchmarks.run cpu` on
-# an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 forward at 0.96× SDPA
-# (dense and causal, N = 4096) and its bf16 forward + backward at 1.06× (dense) and 1.12×
-# (causal), with its float32 forward at 1.02× / 1.07× (docs/cpu.md, the machine table's Intel
-# columns). So on that path SDPA keeps the plain 16-bit forwards beyond decoding, and float16
-# requests with gradients too (float16 has no tile path: AMX-FP16 is another CPU's); bf16
-# gradients, float32, decoding and structured masks stay on the kernel.
+# an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 forward at 0.95–0.96×
+# SDPA (dense and causal, N = 4096, two runs) and its bf16 forward + backward at 1.04–1.06×
+# (dense) and 1.12–1.13× (causal), with its float32 forward at 1.02× dense and 1.07–1.09×
+# causal (docs/cpu.md, the machine table's Intel column). So on that path SDPA keeps the plain
+# 16-bit forwards beyond decoding, and float16 requests with gradients too (float16 has no tile
+# path: AMX-FP16 is another CPU's); bf16 gradients, float32, decoding and structured masks stay
+# on the kernel.
 SDPA_AHEAD_ISAS = ("amx",)
 DECODE_ROWS = 16
 
