@@ -294,9 +294,9 @@ struct Buf {
                       // three parts, tile_pack_rows3)
   bool qa_on;         // qa holds the rows of w.q
   int8_t* qbad;       // tile unit, float32: rows of qa the split cannot carry (gemm_chain forms them)
-  uint32_t* kb;       // tile unit, float32: the packed key tile's three parts (tile_pack_keys3)
+  uint32_t* kb;       // tile unit, float32: the packed key tile's three parts (tile_pack_keys3;
+                      // the forward's in its slot of kbc)
   uint64_t kbad;      // … its keys the split cannot carry (gemm_chain forms them)
-  uint32_t* kb0;      // … kb's own buffer (the backward; the forward's point into kbc)
   uint32_t* kbc;      // forward: each kept key-tile slot's parts
   uint64_t* kbadc;    // forward: each slot's kbad
   bool qa_scaled;     // … times the scale (a power of two)
@@ -376,7 +376,7 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.glo = (int8_t*)carve(cur, R);
   w.ghi = (int8_t*)carve(cur, R);
   w.qa = (uint16_t*)carve(cur, qa_elems * 2);
-  w.kb = w.kb0 = (uint32_t*)carve(cur, kb_elems * 4);
+  w.kb = (uint32_t*)carve(cur, kb_elems * 4);  // the backward's; the forward's point into kbc
   w.kbad = 0;
   w.qbad = (int8_t*)carve(cur, R);
   w.accf = (float*)carve(cur, accf_elems * 4);

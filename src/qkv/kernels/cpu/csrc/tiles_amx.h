@@ -324,6 +324,18 @@ static uint64_t tile_pack_keys3(int64_t K, const float* B, int64_t ldb, uint32_t
     default: _tile_dpbf16ps(3, 4, BREG); break;  \
   }
 
+// C tile t += A tile 4 · the B tile at b, loaded into the next of tiles 5, 6, 7 (reg: 0, 1, 2,
+// advanced here): a load waits for the product that last read its tile, so consecutive products
+// read different ones
+static inline void dp_next_b(int& reg, int64_t t, const uint32_t* b) {
+  switch (reg) {
+    case 0: _tile_loadd(5, b, 64); qkv_dp_c(t, 5); break;
+    case 1: _tile_loadd(6, b, 64); qkv_dp_c(t, 6); break;
+    default: _tile_loadd(7, b, 64); qkv_dp_c(t, 7); break;
+  }
+  reg = reg == 2 ? 0 : reg + 1;
+}
+
 // C[M×N] (ld ldc) = float(scale · Σ_kk chain_kk) for the rows' parts (apack, tile_pack_rows3)
 // against key columns 16·t0 … 16·t0 + N − 1 of the key tile's parts (bpack, tile_pack_keys3);
 // chain kk is the unit's float sum, from 0, of the six products of parts over d = 32kk … 32kk+31
@@ -359,19 +371,11 @@ static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
       const uint16_t* a = apack + (m0 / 16 * nk + kk) * 3 * 512;
       const uint32_t* b = bpack + (kk * 4 + t0) * 3 * 256;
       // each pass of one A part and one B part runs over the four C tiles, so consecutive
-      // products write different accumulators, and B's loads rotate over tiles 5, 6, 7 (a
-      // load waits for the product that last read its tile): the order of the products per C
-      // tile is the one above
+      // products write different accumulators (B's loads rotate, dp_next_b): the order of the
+      // products per C tile is the one above
       int reg = 0;
-#define QKV_PASS(PART)                                                  \
-  for (int64_t t = 0; t < nt; ++t, reg = reg == 2 ? 0 : reg + 1) {      \
-    const uint32_t* bt = b + t * 3 * 256 + (PART) * 256;                \
-    switch (reg) {                                                      \
-      case 0: _tile_loadd(5, bt, 64); qkv_dp_c(t, 5); break;            \
-      case 1: _tile_loadd(6, bt, 64); qkv_dp_c(t, 6); break;            \
-      default: _tile_loadd(7, bt, 64); qkv_dp_c(t, 7); break;           \
-    }                                                                   \
-  }
+#define QKV_PASS(PART) \
+  for (int64_t t = 0; t < nt; ++t) dp_next_b(reg, t, b + t * 3 * 256 + (PART) * 256);
       _tile_loadd(4, a + 2 * 512, 64);  // q_l
       QKV_PASS(0)
       _tile_loadd(4, a + 512, 64);  // q_m
@@ -492,14 +496,7 @@ static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, int
       for (int64_t kk = 0; kk < nk; ++kk)
         for (int p = parts - 1; p >= 0; --p) {
           _tile_loadd(4, apack + ((m0 / 16 * nk + kk) * parts + p) * 512, 64);
-          for (int64_t t = 0; t < nt; ++t, reg = reg == 2 ? 0 : reg + 1) {
-            const uint32_t* b = bt + (kk * ntt + t0 + t) * 256;
-            switch (reg) {
-              case 0: _tile_loadd(5, b, 64); qkv_dp_c(t, 5); break;
-              case 1: _tile_loadd(6, b, 64); qkv_dp_c(t, 6); break;
-              default: _tile_loadd(7, b, 64); qkv_dp_c(t, 7); break;
-            }
-          }
+          for (int64_t t = 0; t < nt; ++t) dp_next_b(reg, t, bt + (kk * ntt + t0 + t) * 256);
         }
       _tile_stored(0, cs, 256);
       if (nt > 1) _tile_stored(1, cs + 16, 256);
