@@ -49,12 +49,12 @@ static inline bool tile_gemm(int64_t, int64_t, int64_t, const float*, int64_t, c
 static inline int64_t tile_a_elems(int64_t, int64_t) { return 0; }
 static inline void tile_pack_rows(int64_t, int64_t, const float*, int64_t, uint16_t*, float) {}
 constexpr int64_t TILE_PV_N = 0;
-static inline void tile_put_p(V16, V16, uint16_t*, uint16_t*, int64_t, int64_t) {}
+static inline void tile_put_p(V16, V16, uint16_t*, int64_t, int64_t) {}
 static inline void tile_pack_a(int64_t, int64_t, const float*, int64_t, bool, int, uint16_t*) {}
 static inline void tile_acc(int64_t, int64_t, int64_t, const uint16_t*, int, const float*, int64_t,
                             uint32_t*, double*, int64_t) {}
-static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, const float*,
-                           int64_t, float*, int64_t, const double*) {}
+static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t, float*,
+                           int64_t, const double*) {}
 static constexpr bool TILE_F32 = false;
 static inline int64_t tile_a3_elems(int64_t, int64_t) { return 0; }
 static inline void tile_pack_rows3(int64_t, int64_t, const float*, int64_t, uint16_t*, int8_t*, float) {}
@@ -289,7 +289,7 @@ struct Buf {
   int64_t* ktag;      // forward: which key tile each slot holds, −1 none
   double* kmaxc;      // forward: each slot's key_norm_max
   float* accf;        // tile unit, bfloat16: the forward's P·V accumulator (rows padded to 16)
-  uint16_t *pah, *pal;  // tile unit, bfloat16: the forward's P as A tiles, two parts (tile_put_p)
+  uint16_t* pa;       // tile unit, bfloat16: the forward's P as A tiles (tile_put_p)
   uint16_t* qa;       // tile unit: the forward item's Q rows as A tiles (tile_pack_rows; float32:
                       // three parts, tile_pack_rows3)
   bool qa_on;         // qa holds the rows of w.q
@@ -333,7 +333,7 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   const int64_t tb_elems = bwd_on_tiles(P) ? imax(bqa / 32, 2) * (imax(Dp, Dvp) / 16) * 256 : 0;
   bytes += ((ta_elems * 2 + 63) & ~int64_t(63)) + ((tb_elems * 4 + 63) & ~int64_t(63));
   const int64_t pa_elems = on_tiles(P) ? (R + 15) / 16 * 16 * BK : 0;
-  bytes += 2 * ((pa_elems * 2 + 63) & ~int64_t(63));
+  bytes += (pa_elems * 2 + 63) & ~int64_t(63);
   const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, R};
   for (int64_t d : doubles) bytes += (d * 8 + 63) & ~int64_t(63);
   w.base = (char*)aligned_alloc(64, (size_t)((bytes + 63) & ~int64_t(63)));
@@ -383,8 +383,7 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.lv = (float*)carve(cur, lv_elems * 4);
   w.ta = (uint16_t*)carve(cur, ta_elems * 2);
   w.tb = (uint32_t*)carve(cur, tb_elems * 4);
-  w.pah = (uint16_t*)carve(cur, pa_elems * 2);
-  w.pal = (uint16_t*)carve(cur, pa_elems * 2);
+  w.pa = (uint16_t*)carve(cur, pa_elems * 2);
   w.qa_on = w.qa_scaled = false;
   w.pool = nullptr;
   w.pool_cap = 0;
@@ -826,10 +825,10 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
     exact_rows(P, M, krows, ldk, kw, w);
     const bool v_finite = tile_v_finite(P, F, b, hkv, j, vb, kw, ldv), tiles_p = tiles_pv && v_finite;
-    // P (keys 16q … 16q+31, q even) as the tiles read it (two bfloat16 parts) or as floats
+    // P (keys 16q … 16q+31, q even) as the tiles read it (rounded to bfloat16) or as floats
     auto put_p = [&](int64_t R, int64_t q, V16 x0, V16 x1) {
       if (tiles_p) {
-        tile_put_p(x0, x1, w.pah, w.pal, R, q);
+        tile_put_p(x0, x1, w.pa, R, q);
       } else {
         v_store(w.p + R * BK + 16 * q, x0);
         v_store(w.p + R * BK + 16 * q + 16, x1);
@@ -883,7 +882,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
     // P V in float chains of PV_CHAIN keys (a whole tile; 16 portable), summed in double
     if (tiles_p) {  // the tiles add P V over the whole tile (P = 0 outside the groups' spans)
-      tile_pv(M, Dvp, kw, w.pah, w.pal, vb, ldv, w.accf, Dvp, w.alpha);
+      tile_pv(M, Dvp, kw, w.pa, vb, ldv, w.accf, Dvp, w.alpha);
       continue;
     }
     if (tiles_pv) {  // from here on the float kernels, which skip P = 0 exactly

@@ -8,11 +8,12 @@
 // A tile product C += A·B takes A as 16 rows × 32 bfloat16 and B as 16 rows of 16 bfloat16
 // pairs (B's rows 2p and 2p + 1 interleaved, the "VNNI" layout) and sums in float32: each
 // product of two bfloat16 is exact in float32, the sums round as float sums do. The operands
-// are the kernel's float copies of bfloat16 data (Q, K, V: exact in bfloat16) and, for a
-// weight matrix such as P (float32, not bfloat16), two bfloat16 parts hi + lo with
-// hi = x truncated to bfloat16, lo = bf16(x − hi): about 16 bits of x's 24, so a weight carries
-// a rounding of at most 2⁻¹⁶ of itself where one bfloat16 would carry 2⁻⁹ (the size of the
-// output's own rounding).
+// are the kernel's float copies of bfloat16 data (Q, K, V: exact in bfloat16) and, for the
+// forward's weights P (float32), P rounded to bfloat16 (a weight carries a rounding of at most
+// 2⁻⁹ of itself, the size of the output's own rounding; FlashAttention and torch's CPU kernel
+// round P the same way), and for the backward's P and dS two bfloat16 parts hi + lo with
+// hi = x truncated to bfloat16, lo = bf16(x − hi): about 16 bits of x's 24, a rounding of at
+// most 2⁻¹⁶ of x.
 // Subnormal inputs and results are flushed to zero by the unit (below 1.2e-38 in magnitude).
 
 #define QKV_TILE_BF16 1
@@ -145,29 +146,19 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
   return true;
 }
 
-// P (32 floats x0, x1: keys 16q … 16q+31 of row R, q even) as the A tiles tile_pv reads, in two
-// parts: hi = x with its low 16 bits cleared (a bfloat16 by truncation), lo = bf16(x − hi)
-// (x − hi is exact, below 2⁻⁷ of x; lo rounds it to nearest: a weight carries at most 2⁻¹⁶ of
-// itself), row block R/16, key step q/2, at hi/lo + (R/16 · 2 + q/2) · 512. Two vectors at once:
-// one permutation gathers the 32 high halves, one conversion rounds the 32 low parts.
-static inline void tile_put_p(V16 x0, V16 x1, uint16_t* hi, uint16_t* lo, int64_t R, int64_t q) {
-  const int64_t at = (R / 16 * 2 + q / 2) * 512 + (R % 16) * 32;
-  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
-                                       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-  const __m512i b0 = _mm512_castps_si512(x0.v), b1 = _mm512_castps_si512(x1.v);
-  const __m512 l0 = _mm512_sub_ps(x0.v, _mm512_castsi512_ps(_mm512_and_si512(b0, top)));
-  const __m512 l1 = _mm512_sub_ps(x1.v, _mm512_castsi512_ps(_mm512_and_si512(b1, top)));
-  _mm512_storeu_si512(hi + at, _mm512_permutex2var_epi16(b0, odd, b1));
-  _mm512_storeu_si512(lo + at, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
+// P (32 floats x0, x1: keys 16q … 16q+31 of row R, q even) as the A tiles tile_pv reads,
+// rounded to bfloat16 (to nearest even), row block R/16, key step q/2, at
+// a + (R/16 · 2 + q/2) · 512
+static inline void tile_put_p(V16 x0, V16 x1, uint16_t* a, int64_t R, int64_t q) {
+  _mm512_storeu_si512(a + (R / 16 * 2 + q / 2) * 512 + (R % 16) * 32, (__m512i)_mm512_cvtne2ps_pbh(x1.v, x0.v));
 }
 
 // acc[M×N] (float, ld ldc, rows padded to a multiple of 16) = acc·alpha[m] + A·B with A (M × K,
-// K ≤ 64) in two parts packed by tile_put_p (P·V of the forward for bfloat16 inputs): acc is loaded into the C tiles, the products
+// K ≤ 64) packed by tile_put_p (P·V of the forward for bfloat16 inputs): acc is loaded into the C tiles, the products
 // add to it there, and it is stored back; rows whose α is 1 (the row's maximum did not move)
 // are not touched by the vector unit at all. K ≤ 64, N ≤ TILE_PV_N and a multiple of 16.
 constexpr int64_t TILE_PV_N = 256;
-static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ahi, const uint16_t* alo,
+static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ap,
                     const float* B, int64_t ldb, float* acc, int64_t ldc, const double* alpha) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
   alignas(64) uint32_t bt[2 * (TILE_PV_N / 16) * 256];
@@ -195,13 +186,11 @@ static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ahi, const 
       QKV_TILE_LOAD(3)
 #undef QKV_TILE_LOAD
       for (int64_t kk = 0; kk < nk; ++kk) {
-        _tile_loadd(4, ahi + (m0 / 16 * 2 + kk) * 512, 64);
-        _tile_loadd(6, alo + (m0 / 16 * 2 + kk) * 512, 64);
+        _tile_loadd(4, ap + (m0 / 16 * 2 + kk) * 512, 64);
 #define QKV_TILE_STEP(T)                                    \
   if (nt > T) {                                             \
     _tile_loadd(5, bt + (kk * ntt + t0 + T) * 256, 64);     \
     _tile_dpbf16ps(T, 4, 5);                                \
-    _tile_dpbf16ps(T, 6, 5);                                \
   }
         QKV_TILE_STEP(0)
         QKV_TILE_STEP(1)
@@ -424,16 +413,26 @@ static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
 //
 // The backward's products for bfloat16 inputs: dP = dO Vᵀ (tile_gemm: dO and V hold bfloat16
 // values, one part each), dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K (tile_acc), with P and dS
-// (floats) in two parts as the forward's P (tile_put_p) and dO, Q, K in one.
+// (floats) in two parts and dO, Q, K in one.
 
-// 32 floats of a row (x0, x1) as 32 bfloat16 in one or two parts (tile_put_p's split) at d,
-// d + 512
+// 32 floats of a row (x0, x1) as 32 bfloat16 at d in one part (rounded to nearest), or in two:
+// hi = x with its low 16 bits cleared (a bfloat16 by truncation) at d, lo = bf16(x − hi) at
+// d + 512 (x − hi is exact, below 2⁻⁷ of x; lo rounds it to nearest: x carries at most 2⁻¹⁶ of
+// itself). Two vectors at once: one permutation gathers the 32 high halves, one conversion
+// rounds the 32 low parts.
 static inline void put_row_parts(__m512 x0, __m512 x1, int parts, uint16_t* d) {
   if (parts == 1) {
     _mm512_storeu_si512(d, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
     return;
   }
-  tile_put_p({x0}, {x1}, d, d + 512, 0, 0);
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+  const __m512i b0 = _mm512_castps_si512(x0), b1 = _mm512_castps_si512(x1);
+  const __m512 l0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_and_si512(b0, top)));
+  const __m512 l1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(b1, top)));
+  _mm512_storeu_si512(d, _mm512_permutex2var_epi16(b0, odd, b1));
+  _mm512_storeu_si512(d + 512, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
 }
 
 // A tiles (`parts` parts) of X's rows (M rows of K floats, ld ldx): A[m][k] = X[m][k]; or, with
