@@ -130,9 +130,10 @@ def test_auto_result_equals_chosen_backend(qkv3):
 @pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "portable"])
 def test_without_avx512_plain_forwards_go_to_sdpa(isa, monkeypatch):
     # Where the kernel's forward was measured slower than SDPA's (no AVX-512: avx2 or portable
-    # path; AMX in 16 bits, where SDPA's own products use the tiles), auto hands SDPA the plain
-    # forward requests it would take, and with AMX float16 gradients too; float32 and bfloat16
-    # gradients, decoding and structured masks stay on the kernel, and with AMX float32 forwards.
+    # path; AMX in float16, which has no tile path while SDPA's own products use the tiles), auto
+    # hands SDPA the plain forward requests it would take, and with AMX float16 gradients too;
+    # float32 and bfloat16 gradients, decoding and structured masks stay on the kernel, and with
+    # AMX float32 and bfloat16 forwards.
     if cpu_kernel_or("") != "cpu":
         pytest.skip("the compiled CPU kernel is not available here")
     from qkv.kernels import cpu_backend
@@ -146,7 +147,9 @@ def test_without_avx512_plain_forwards_go_to_sdpa(isa, monkeypatch):
         assert f"its {isa} path" in d.reasons["cpu"]
     assert qkv.dispatch(q, k, v, causal=True, finite_inputs=True).name == d.name
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))
-    assert qkv.dispatch(qb, kb, vb).name == ("cpu" if isa == "avx512" else "sdpa")  # bf16
+    assert qkv.dispatch(qb, kb, vb).name == ("cpu" if fast else "sdpa")  # bf16
+    qh, kh, vh = (t.half() for t in (q, k, v))
+    assert qkv.dispatch(qh, kh, vh).name == ("cpu" if isa == "avx512" else "sdpa")  # fp16
     qb, kb, vb = (t.requires_grad_() for t in (qb, kb, vb))
     assert qkv.dispatch(qb, kb, vb).name == "cpu"  # bf16 gradients
     qh, kh, vh = (t.detach().half().requires_grad_() for t in (qb, kb, vb))

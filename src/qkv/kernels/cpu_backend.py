@@ -54,17 +54,17 @@ SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.fl
 # kernel is ahead: 1.65× on Zen 5, and on Zen 4 (512-bit operations in two halves) 1.12× dense
 # and 1.25× causal in paired calls once the AVX-512 path took the AVX2 path's chains (it read
 # 0.96× before); with AMX (Intel Xeon) its float32 forward, scores on the tiles, is ahead too
-# (below; its 16-bit forwards are SDPA_AHEAD_ISAS's). Decoding: Nq·G ≤ DECODE_ROWS.
+# (below; its float16 requests are SDPA_AHEAD_ISAS's). Decoding: Nq·G ≤ DECODE_ROWS.
 FORWARD_FAST_ISAS = ("avx512", "amx")
 # With the AMX tile unit (Intel Xeon, Sapphire Rapids and later: the kernel's amx path) torch
 # SDPA's 16-bit products run on the same tiles through oneDNN. `python -m benchmarks.run cpu` on
-# an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 forward at 0.95–0.96×
-# SDPA (dense and causal, N = 4096, two runs) and its bf16 forward + backward at 1.04–1.06×
-# (dense) and 1.12–1.13× (causal), with its float32 forward at 1.02× dense and 1.07–1.09×
-# causal (docs/cpu.md, the machine table's Intel column). So on that path SDPA keeps the plain
-# 16-bit forwards beyond decoding, and float16 requests with gradients too (float16 has no tile
-# path: AMX-FP16 is another CPU's); bf16 gradients, float32, decoding and structured masks stay
-# on the kernel.
+# an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 forward at 1.05× SDPA
+# dense and 1.01× causal (N = 4096; 1.06–1.07× in paired calls) once its P·V took P in one
+# bfloat16 part, its bf16 forward + backward at 1.28× / 1.33×, and its float32 forward at
+# 1.02× dense and 1.07–1.09× causal (docs/cpu.md, the machine table's Intel column). float16
+# has no tile path there (AMX-FP16 is another CPU's), so on that path SDPA keeps the plain
+# float16 requests beyond decoding, with gradients too; bfloat16, float32, decoding and
+# structured masks stay on the kernel.
 SDPA_AHEAD_ISAS = ("amx",)
 DECODE_ROWS = 16
 
@@ -166,8 +166,8 @@ class CpuBackend:
         of the requests that `auto` would hand torch SDPA (not those SDPA refuses or `auto`
         keeps from it, such as float32 gradients: the next backend would then be `tiled`,
         slower than this kernel at every size), the tiny ones, without AVX-512 the
-        forward-only ones beyond decoding, and with AMX the 16-bit forwards and the float16
-        backwards beyond decoding, are faster there."""
+        forward-only ones beyond decoding, and with AMX the float16 ones beyond decoding, are
+        faster there."""
         if sdpa.refusal(plan) is not None or sdpa.auto_passes_over(plan) is not None:
             return None
         limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
@@ -178,14 +178,11 @@ class CpuBackend:
             )
         isa = kernel_status()[0]
         beyond_decoding = plan.q_len * plan.groups > DECODE_ROWS
-        tiles_ahead = plan.dtype == torch.float32 or (
-            plan.dtype == torch.bfloat16 and plan.wants_grad
-        )
-        if isa in SDPA_AHEAD_ISAS and beyond_decoding and not tiles_ahead:
+        if isa in SDPA_AHEAD_ISAS and beyond_decoding and plan.dtype == torch.float16:
             return (
                 f"on this CPU the kernel runs its {isa} path, where torch SDPA is faster on a "
-                f"plain dense or causal 16-bit forward (and float16 backward; the kernel is "
-                f"ahead in float32, bfloat16 gradients, decoding and structured masks)"
+                f"plain dense or causal float16 request (the kernel's tiles carry bfloat16 and "
+                f"float32; it is ahead there, in decoding and with structured masks)"
             )
         if isa not in FORWARD_FAST_ISAS and not plan.wants_grad and beyond_decoding:
             return (
