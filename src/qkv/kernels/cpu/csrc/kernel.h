@@ -282,6 +282,11 @@ struct Buf {
   int8_t* exact;  // per row: this tile's scores formed exactly, with their low parts in slo
   double* pool;  // backward: live dQ tiles
   int64_t pool_cap;
+  uint16_t* qpc;  // backward, float32 scores on the tiles: the parts of each live query tile's
+                  // rows (tile_pack_rows3), per pool slot and head of the group, packed at the
+                  // tile's first column of the chunk and read by the others
+  int8_t *qbc, *qpc_ok;  // … their rows the split cannot carry; whether an entry is packed
+  int64_t qpc_cap;
   int32_t *slot_of, *free_slots;
   int64_t slot_cap;
   int8_t *glo, *ghi;  // forward: the first and last 16-key chunk each group of 16 rows computes
@@ -387,6 +392,9 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.qa_on = w.qa_scaled = false;
   w.pool = nullptr;
   w.pool_cap = 0;
+  w.qpc = nullptr;
+  w.qbc = w.qpc_ok = nullptr;
+  w.qpc_cap = 0;
   w.slot_of = w.free_slots = nullptr;
   w.slot_cap = 0;
   w.ktc = nullptr;
@@ -400,6 +408,9 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
 static void buf_free(Buf& w) {
   free(w.base);
   free(w.pool);
+  free(w.qpc);
+  free(w.qbc);
+  free(w.qpc_ok);
   free(w.slot_of);
   free(w.free_slots);
   free(w.ktc);
@@ -1073,6 +1084,17 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
     w.pool_cap = w.pool ? live * tile : 0;
     if (!w.pool) return false;
   }
+  const int64_t qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
+  if (qpe && live * G > w.qpc_cap) {
+    free(w.qpc);
+    free(w.qbc);
+    free(w.qpc_ok);
+    w.qpc = (uint16_t*)aligned_alloc(64, (size_t)(live * G * qpe * 2 + 64));
+    w.qbc = (int8_t*)malloc((size_t)(live * G * bq));
+    w.qpc_ok = (int8_t*)malloc((size_t)(live * G));
+    w.qpc_cap = w.qpc && w.qbc && w.qpc_ok ? live * G : 0;
+    if (!w.qpc_cap) return false;
+  }
   if (imax(t1 - t0, live) > w.slot_cap) {
     free(w.slot_of);
     free(w.free_slots);
@@ -1098,6 +1120,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       const int32_t s = w.free_slots[--n_free];
       w.slot_of[next_first - t0] = s;
       __builtin_memset(w.pool + s * tile, 0, (size_t)tile * 8);
+      if (qpe) __builtin_memset(w.qpc_ok + s * G, 0, (size_t)G);
       ++next_first;
     }
     const int64_t e0 = L.col_ptr[j], e1 = L.col_ptr[j + 1];
@@ -1119,6 +1142,16 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
           bwd_row(P, b, h, r0, r, w);
           w.delta[r] = P.delta[idx];  // the row pass's Δ (delta_item)
+        }
+        if (qpe) {  // the rows' parts: packed at this query tile's first column of the chunk
+          const int64_t ci = w.slot_of[Bp.local[e]] * G + g;
+          w.qa = w.qpc + ci * qpe;
+          w.qbad = w.qbc + ci * bq;
+          if (!w.qpc_ok[ci])
+            tile_pack_rows3(nr, P.D, w.q, Dp, w.qa, w.qbad,
+                            tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
+          w.qpc_ok[ci] = 1;
+          w.qa_on = true;
         }
         tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
         exact_rows(P, nr, w.kr, Dp, kw, w);
