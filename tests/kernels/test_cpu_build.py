@@ -159,6 +159,37 @@ def test_amx_float32_scores_on_the_tiles_pass_the_rule(monkeypatch, D, kind):
         assert_error_ratio(got, r, g, factor=3.0, what=f"d{what}")
 
 
+@pytest.mark.parametrize("hostile", ["none", "tiny-dout-row", "tiny-value"])
+def test_amx_float32_dp_on_the_tiles_passes_the_rule(monkeypatch, hostile):
+    """On the amx path the float32 backward's dP = dO Vᵀ is formed as the scores are (three
+    bfloat16 parts per value): other bits than the AVX-512 chains', the same rule. A row of dO or
+    a value of V the split cannot carry (nonzero below 2⁻⁸⁰) sends that tile's dP to AVX-512."""
+    if not OPS.isa_supported("amx"):
+        pytest.skip("this CPU lacks AMX-BF16 (or the OS's leave to use the tiles)")
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, Nq=257, D=64)
+    gen = torch.Generator().manual_seed(3)
+    dout = torch.randn(1, 4, 257, 64, generator=gen)
+    if hostile == "tiny-dout-row":
+        dout[0, 1, 70] *= 1e-30
+    elif hostile == "tiny-value":
+        v = v.clone()
+        v[0, 0, 100, 5] = 1e-30
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    grads = {}
+    for name in ("amx", "avx512"):
+        monkeypatch.setenv(isa.ENV, name)
+        out = qkv.attention(q, k, v, causal=True, backend="cpu")
+        grads[name] = torch.autograd.grad(out, (q, k, v), dout)
+    assert not torch.equal(grads["amx"][0], grads["avx512"][0]), "the tiles did not run"
+    ref = qkv.attention(q, k, v, causal=True, backend="reference")
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g_out = qkv.attention(qd, kd, vd, causal=True, backend="reference")
+    gold_grads = torch.autograd.grad(g_out, (qd, kd, vd), dout.double())
+    for got, r, g, what in zip(grads["amx"], ref_grads, gold_grads, "qkv", strict=True):
+        assert_error_ratio(got, r, g, factor=3.0, what=f"d{what}")
+
+
 @pytest.mark.parametrize("value", ["bogus", "avx512x"])
 def test_a_bad_isa_request_is_a_reason_not_a_crash(monkeypatch, value):
     monkeypatch.setenv(isa.ENV, value)

@@ -63,6 +63,7 @@ static inline int64_t tile_b3_elems(int64_t) { return 0; }
 static inline uint64_t tile_pack_keys3(int64_t, const float*, int64_t, uint32_t*) { return 0; }
 static inline void tile_chain3(int64_t, int64_t, int64_t, const uint16_t*, const uint32_t*, int64_t,
                                float*, int64_t, double, bool) {}
+static inline void tile_chain3_f64(int64_t, int64_t, const uint16_t*, const uint32_t*, double*, int64_t) {}
 #endif
 
 // whether this problem's products run on the tile unit (bfloat16 inputs on a path that has it)
@@ -286,7 +287,11 @@ struct Buf {
                   // rows (tile_pack_rows3), per pool slot and head of the group, packed at the
                   // tile's first column of the chunk and read by the others
   int8_t *qbc, *qpc_ok;  // … their rows the split cannot carry; whether an entry is packed
+  uint16_t* dpc;         // … the same for dO's rows (dP = dO Vᵀ on the tiles); dpc_ok 2: packed,
+  int8_t *dbc, *dpc_ok;  // with a row the split cannot carry (that tile's dP then on AVX-512)
   int64_t qpc_cap;
+  uint32_t* vb3;  // backward, float32 on the tiles: the V tile's parts (tile_pack_keys3), dP's
+  uint64_t vbad;  // … its keys the split cannot carry (the tile's dP then on AVX-512)
   int32_t *slot_of, *free_slots;
   int64_t slot_cap;
   int8_t *glo, *ghi;  // forward: the first and last 16-key chunk each group of 16 rows computes
@@ -383,6 +388,10 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.qa = (uint16_t*)carve(cur, qa_elems * 2);
   w.kb = (uint32_t*)carve(cur, kb_elems * 4);  // the backward's; the forward's point into kbc
   w.kbad = 0;
+  w.vb3 = scores_on_tiles(P) && P.Dv <= TILE_K_MAX
+              ? (uint32_t*)aligned_alloc(64, (size_t)(tile_b3_elems(P.Dv) * 4 + 64))
+              : nullptr;
+  w.vbad = ~0ull;
   w.qbad = (int8_t*)carve(cur, R);
   w.accf = (float*)carve(cur, accf_elems * 4);
   w.lv = (float*)carve(cur, lv_elems * 4);
@@ -392,8 +401,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.qa_on = w.qa_scaled = false;
   w.pool = nullptr;
   w.pool_cap = 0;
-  w.qpc = nullptr;
-  w.qbc = w.qpc_ok = nullptr;
+  w.qpc = w.dpc = nullptr;
+  w.qbc = w.qpc_ok = w.dbc = w.dpc_ok = nullptr;
   w.qpc_cap = 0;
   w.slot_of = w.free_slots = nullptr;
   w.slot_cap = 0;
@@ -411,6 +420,10 @@ static void buf_free(Buf& w) {
   free(w.qpc);
   free(w.qbc);
   free(w.qpc_ok);
+  free(w.dpc);
+  free(w.dbc);
+  free(w.dpc_ok);
+  free(w.vb3);
   free(w.slot_of);
   free(w.free_slots);
   free(w.ktc);
@@ -1032,6 +1045,7 @@ static inline void bwd_pack(const Problem& P, int64_t b, int64_t hkv, int64_t c0
   pack_v(P, b, hkv, c0, kw, w, true, true);
   if (P.precise_scores && !P.dot_scores) w.kmax = key_norm_max(P, w.kt, kw);
   if (scores_on_tiles(P)) w.kbad = tile_pack_keys3(P.D, w.kt, BK, w.kb);
+  if (w.vb3) w.vbad = tile_pack_keys3(P.Dv, w.vt, BK, w.vb3);
   if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
 }
 
@@ -1085,14 +1099,21 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
     if (!w.pool) return false;
   }
   const int64_t qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
+  const int64_t dpe = w.vb3 ? tile_a3_elems(bq, P.Dv) : 0;               // … of dO's rows
   if (qpe && live * G > w.qpc_cap) {
     free(w.qpc);
     free(w.qbc);
     free(w.qpc_ok);
+    free(w.dpc);
+    free(w.dbc);
+    free(w.dpc_ok);
     w.qpc = (uint16_t*)aligned_alloc(64, (size_t)(live * G * qpe * 2 + 64));
     w.qbc = (int8_t*)malloc((size_t)(live * G * bq));
     w.qpc_ok = (int8_t*)malloc((size_t)(live * G));
-    w.qpc_cap = w.qpc && w.qbc && w.qpc_ok ? live * G : 0;
+    w.dpc = (uint16_t*)aligned_alloc(64, (size_t)(live * G * imax(dpe, 1) * 2 + 64));
+    w.dbc = (int8_t*)malloc((size_t)(live * G * bq));
+    w.dpc_ok = (int8_t*)malloc((size_t)(live * G));
+    w.qpc_cap = w.qpc && w.qbc && w.qpc_ok && w.dpc && w.dbc && w.dpc_ok ? live * G : 0;
     if (!w.qpc_cap) return false;
   }
   if (imax(t1 - t0, live) > w.slot_cap) {
@@ -1121,6 +1142,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       w.slot_of[next_first - t0] = s;
       __builtin_memset(w.pool + s * tile, 0, (size_t)tile * 8);
       if (qpe) __builtin_memset(w.qpc_ok + s * G, 0, (size_t)G);
+      if (qpe) __builtin_memset(w.dpc_ok + s * G, 0, (size_t)G);
       ++next_first;
     }
     const int64_t e0 = L.col_ptr[j], e1 = L.col_ptr[j + 1];
@@ -1156,8 +1178,27 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
         exact_rows(P, nr, w.kr, Dp, kw, w);
         if (exact || !DP_FLOAT_CHAINS) dp_operands(P, nr, vt_ready, w);
+        // float32 on the tiles: dO Vᵀ as the scores are formed (dO's rows in three parts, packed
+        // at the query tile's first column of the chunk, against the V tile's), gemm_dp's float
+        // chains; where the split cannot carry some value of either, gemm_dp
+        bool dp_tiles = false;
+        if (!exact && dpe && w.vbad == 0) {
+          const int64_t ci = w.slot_of[Bp.local[e]] * G + g;
+          uint16_t* parts = w.dpc + ci * dpe;
+          if (!w.dpc_ok[ci]) {  // 1: packed, 2: packed, some row not carried
+            int8_t* bad = w.dbc + ci * bq;
+            tile_pack_rows3(nr, P.Dv, w.dO, Dvp, parts, bad, 1.0f);
+            w.dpc_ok[ci] = __builtin_memchr(bad, 1, (size_t)nr) ? 2 : 1;
+          }
+          if (w.dpc_ok[ci] == 1) {
+            tile_chain3_f64(nr, P.Dv, parts, w.vb3, w.dp64, BK);
+            dp_tiles = true;
+          }
+        }
         // bfloat16: dO Vᵀ on the tiles (one float chain over Dv, widened), else gemm_dp
-        if (!exact && bwd_on_tiles(P) && tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, w.o, BK)) {
+        if (dp_tiles) {
+          // formed above
+        } else if (!exact && bwd_on_tiles(P) && tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, w.o, BK)) {
           for (int64_t x = 0; x < nr * BK; ++x) w.dp64[x] = (double)w.o[x];
         } else {
           gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);

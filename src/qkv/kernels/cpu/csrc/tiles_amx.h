@@ -341,10 +341,56 @@ static inline bool tile_scale_folds(float scale) {
   return __builtin_frexpf(scale, &e) == 0.5f && e >= -15 && e <= 16;
 }
 
+// chain kk of one block of 16 rows (a: its parts) at cs + kk·1024 (16 rows × 64 floats)
+static inline void chain3_block(int64_t N, int64_t K, const uint16_t* a, const uint32_t* bpack,
+                                int64_t t0, float* cs) {
+  const int64_t nk = (K + TILE_K - 1) / TILE_K, nt = N / 16;
+  for (int64_t kk = 0; kk < nk; ++kk) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* ak = a + kk * 3 * 512;
+    const uint32_t* b = bpack + (kk * 4 + t0) * 3 * 256;
+    // each pass of one A part and one B part runs over the four C tiles, so consecutive
+    // products write different accumulators (B's loads rotate, dp_next_b): the order of the
+    // products per C tile is the one above
+    int reg = 0;
+#define QKV_PASS(PART) \
+  for (int64_t t = 0; t < nt; ++t) dp_next_b(reg, t, b + t * 3 * 256 + (PART) * 256);
+    _tile_loadd(4, ak + 2 * 512, 64);  // q_l
+    QKV_PASS(0)
+    _tile_loadd(4, ak + 512, 64);  // q_m
+    QKV_PASS(1)
+    QKV_PASS(0)
+    _tile_loadd(4, ak, 64);  // q_h
+    QKV_PASS(2)
+    QKV_PASS(1)
+    QKV_PASS(0)
+#undef QKV_PASS
+    float* c = cs + kk * 1024;
+    _tile_stored(0, c, 256);
+    if (nt > 1) _tile_stored(1, c + 16, 256);
+    if (nt > 2) _tile_stored(2, c + 32, 256);
+    if (nt > 3) _tile_stored(3, c + 48, 256);
+  }
+}
+
+// the chains of 16 floats (row r, columns x … x+15) widened to double and added in order
+static inline void chains_f64(const float* cs, int64_t nk, int64_t r, int64_t x, __m512d& lo, __m512d& hi) {
+  for (int64_t kk = 0; kk < nk; ++kk) {
+    const __m512 c = _mm512_load_ps(cs + kk * 1024 + r * 64 + x);
+    const __m512d l = _mm512_cvtps_pd(_mm512_castps512_ps256(c));
+    const __m512d h = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
+    lo = kk == 0 ? l : _mm512_add_pd(lo, l);
+    hi = kk == 0 ? h : _mm512_add_pd(hi, h);
+  }
+}
+
 static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
                         const uint32_t* bpack, int64_t t0, float* C, int64_t ldc, double scale,
                         bool folded) {
-  const int64_t nk = (K + TILE_K - 1) / TILE_K, nt = N / 16;
+  const int64_t nk = (K + TILE_K - 1) / TILE_K;
   // each step's chains stored apart (cs + kk·1024) and summed once per row block, so the vector
   // unit's widening and sums of one block overlap the tiles' products of the next
   alignas(64) float cs[TILE_K_MAX / TILE_K * 16 * 64];
@@ -352,35 +398,7 @@ static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
   tiles_on();
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
-    for (int64_t kk = 0; kk < nk; ++kk) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      const uint16_t* a = apack + (m0 / 16 * nk + kk) * 3 * 512;
-      const uint32_t* b = bpack + (kk * 4 + t0) * 3 * 256;
-      // each pass of one A part and one B part runs over the four C tiles, so consecutive
-      // products write different accumulators (B's loads rotate, dp_next_b): the order of the
-      // products per C tile is the one above
-      int reg = 0;
-#define QKV_PASS(PART) \
-  for (int64_t t = 0; t < nt; ++t) dp_next_b(reg, t, b + t * 3 * 256 + (PART) * 256);
-      _tile_loadd(4, a + 2 * 512, 64);  // q_l
-      QKV_PASS(0)
-      _tile_loadd(4, a + 512, 64);  // q_m
-      QKV_PASS(1)
-      QKV_PASS(0)
-      _tile_loadd(4, a, 64);  // q_h
-      QKV_PASS(2)
-      QKV_PASS(1)
-      QKV_PASS(0)
-#undef QKV_PASS
-      float* c = cs + kk * 1024;
-      _tile_stored(0, c, 256);
-      if (nt > 1) _tile_stored(1, c + 16, 256);
-      if (nt > 2) _tile_stored(2, c + 32, 256);
-      if (nt > 3) _tile_stored(3, c + 48, 256);
-    }
+    chain3_block(N, K, apack + m0 / 16 * nk * 3 * 512, bpack, t0, cs);
     if (folded) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t x = 0; x < N; x += 16) {
@@ -392,18 +410,33 @@ static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t x = 0; x < N; x += 16) {
-        __m512d lo = _mm512_setzero_pd(), hi = lo;
-        for (int64_t kk = 0; kk < nk; ++kk) {
-          const __m512 c = _mm512_load_ps(cs + kk * 1024 + r * 64 + x);
-          const __m512d l = _mm512_cvtps_pd(_mm512_castps512_ps256(c));
-          const __m512d h = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
-          lo = kk == 0 ? l : _mm512_add_pd(lo, l);
-          hi = kk == 0 ? h : _mm512_add_pd(hi, h);
-        }
+        __m512d lo, hi;
+        chains_f64(cs, nk, r, x, lo, hi);
         const __m256 fl = _mm512_cvtpd_ps(_mm512_mul_pd(lo, sc)), fh = _mm512_cvtpd_ps(_mm512_mul_pd(hi, sc));
         _mm512_storeu_ps(C + (m0 + r) * ldc + x,
                          _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(fl)),
                                                              _mm256_castps_pd(fh), 1)));
+      }
+  }
+  _tile_release();
+}
+
+// The same chains for 64 columns (the backward's dP = dO Vᵀ: apack dO's rows, bpack V's tile as
+// tile_pack_keys3 packs keys), their sums in double, neither scaled nor rounded: C64[M × 64]
+// (ld ldc), gemm_dp's float form.
+static void tile_chain3_f64(int64_t M, int64_t K, const uint16_t* apack, const uint32_t* bpack,
+                            double* C, int64_t ldc) {
+  const int64_t nk = (K + TILE_K - 1) / TILE_K;
+  alignas(64) float cs[TILE_K_MAX / TILE_K * 16 * 64];
+  tiles_on();
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    chain3_block(64, K, apack + m0 / 16 * nk * 3 * 512, bpack, 0, cs);
+    for (int64_t r = 0; r < (M - m0 < 16 ? M - m0 : 16); ++r)
+      for (int64_t x = 0; x < 64; x += 16) {
+        __m512d lo, hi;
+        chains_f64(cs, nk, r, x, lo, hi);
+        _mm512_storeu_pd(C + (m0 + r) * ldc + x, lo);
+        _mm512_storeu_pd(C + (m0 + r) * ldc + x + 8, hi);
       }
   }
   _tile_release();
