@@ -58,10 +58,11 @@ SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.fl
 FORWARD_FAST_ISAS = ("avx512", "amx")
 # With the AMX tile unit (Intel Xeon, Sapphire Rapids and later: the kernel's amx path) torch
 # SDPA's 16-bit products run on the same tiles through oneDNN. `python -m benchmarks.run cpu` on
-# an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 forward at 1.05× SDPA
-# dense and 1.01× causal (N = 4096; 1.06–1.07× in paired calls) once its P·V took P in one
-# bfloat16 part, its bf16 forward + backward at 1.28× / 1.33×, and its float32 forward at
-# 1.02× dense and 1.07–1.09× causal (docs/cpu.md, the machine table's Intel column). float16
+# an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 forward at 1.03–1.05×
+# SDPA dense and 1.00–1.06× causal in three runs (N = 4096; 1.06–1.07× in paired calls) once its
+# P·V took P in one bfloat16 part, its bf16 forward + backward at 1.15–1.28× / 1.15–1.33×, and
+# its float32 forward at 1.02–1.03× dense and 1.03–1.10× causal (docs/cpu.md, the machine
+# table's Intel column). float16
 # has no tile path there (AMX-FP16 is another CPU's), so on that path SDPA keeps the plain
 # float16 requests beyond decoding, with gradients too; bfloat16, float32, decoding and
 # structured masks stay on the kernel.
