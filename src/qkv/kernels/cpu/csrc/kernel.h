@@ -414,15 +414,23 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   return true;
 }
 
-static void buf_free(Buf& w) {
-  free(w.base);
-  free(w.pool);
+// the backward's caches of Q's and dO's parts (bwd_item), emptied
+static void parts_free(Buf& w) {
   free(w.qpc);
   free(w.qbc);
   free(w.qpc_ok);
   free(w.dpc);
   free(w.dbc);
   free(w.dpc_ok);
+  w.qpc = w.dpc = nullptr;
+  w.qbc = w.qpc_ok = w.dbc = w.dpc_ok = nullptr;
+  w.qpc_cap = 0;
+}
+
+static void buf_free(Buf& w) {
+  free(w.base);
+  free(w.pool);
+  parts_free(w);
   free(w.vb3);
   free(w.slot_of);
   free(w.free_slots);
@@ -1101,12 +1109,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   const int64_t qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
   const int64_t dpe = w.vb3 ? tile_a3_elems(bq, P.Dv) : 0;               // … of dO's rows
   if (qpe && live * G > w.qpc_cap) {
-    free(w.qpc);
-    free(w.qbc);
-    free(w.qpc_ok);
-    free(w.dpc);
-    free(w.dbc);
-    free(w.dpc_ok);
+    parts_free(w);
     w.qpc = (uint16_t*)aligned_alloc(64, (size_t)(live * G * qpe * 2 + 64));
     w.qbc = (int8_t*)malloc((size_t)(live * G * bq));
     w.qpc_ok = (int8_t*)malloc((size_t)(live * G));
