@@ -62,10 +62,9 @@ FORWARD_FAST_ISAS = ("avx512", "amx")
 # SDPA dense and 1.00–1.06× causal in three runs (N = 4096; 1.06–1.07× in paired calls) once its
 # P·V took P in one bfloat16 part, its bf16 forward + backward at 1.15–1.28× / 1.15–1.33×, and
 # its float32 forward at 1.02–1.03× dense and 1.03–1.10× causal (docs/cpu.md, the machine
-# table's Intel column). float16
-# has no tile path there (AMX-FP16 is another CPU's), so on that path SDPA keeps the plain
-# float16 requests beyond decoding, with gradients too; bfloat16, float32, decoding and
-# structured masks stay on the kernel.
+# table's Intel column). float16 has no tile path there (AMX-FP16 is another CPU's), so on that
+# path SDPA keeps the plain float16 requests beyond decoding, with gradients too; bfloat16,
+# float32, decoding and structured masks stay on the kernel.
 SDPA_AHEAD_ISAS = ("amx",)
 DECODE_ROWS = 16
 

@@ -268,6 +268,15 @@ static void gemm_acc_f64(int64_t M, int64_t N, int64_t K, const float* A, int64_
 
 // ------------------------------------------------------------------------- per-worker buffers
 
+// The backward walks key columns outer: the three-part split (tile_pack_rows3) of a query tile's
+// rows is made at the tile's first column of a chunk, in an entry of such a cache, and read by
+// the others. state per entry: 0 not packed, 1 packed, 2 packed with a row the split cannot carry.
+struct PartsCache {
+  uint16_t* parts;  // entry e at parts + e · (its elements)
+  int8_t* bad;      // entry e's rows the split cannot carry, at bad + e · bq
+  int8_t* state;
+};
+
 struct Buf {
   char* base;
   float *q, *kr, *kt, *vr, *vt, *s, *p, *ds, *dfac, *o, *dO, *tmp;
@@ -283,13 +292,9 @@ struct Buf {
   int8_t* exact;  // per row: this tile's scores formed exactly, with their low parts in slo
   double* pool;  // backward: live dQ tiles
   int64_t pool_cap;
-  uint16_t* qpc;  // backward, float32 scores on the tiles: the parts of each live query tile's
-                  // rows (tile_pack_rows3), per pool slot and head of the group, packed at the
-                  // tile's first column of the chunk and read by the others
-  int8_t *qbc, *qpc_ok;  // … their rows the split cannot carry; whether an entry is packed
-  uint16_t* dpc;         // … the same for dO's rows (dP = dO Vᵀ on the tiles); dpc_ok 2: packed,
-  int8_t *dbc, *dpc_ok;  // with a row the split cannot carry (that tile's dP then on AVX-512)
-  int64_t qpc_cap;
+  PartsCache qc, dc;  // backward, float32 on the tiles: Q's rows' parts (the scores) and dO's
+                      // (dP = dO Vᵀ), per pool slot and head of the group
+  int64_t parts_cap;  // entries of each
   uint32_t* vb3;  // backward, float32 on the tiles: the V tile's parts (tile_pack_keys3), dP's
   uint64_t vbad;  // … its keys the split cannot carry (the tile's dP then on AVX-512)
   int32_t *slot_of, *free_slots;
@@ -333,6 +338,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   const int64_t qa_elems = on_tiles(P) ? tile_a_elems(R, P.D) : scores_on_tiles(P) ? tile_a3_elems(R, P.D) : 0;
   const int64_t kb_elems = scores_on_tiles(P) ? tile_b3_elems(P.D) : 0;
   bytes += (kb_elems * 4 + 63) & ~int64_t(63);
+  const int64_t vb_elems = scores_on_tiles(P) && P.Dv <= TILE_K_MAX ? tile_b3_elems(P.Dv) : 0;
+  bytes += (vb_elems * 4 + 63) & ~int64_t(63);
   bytes += (qa_elems * 2 + 63) & ~int64_t(63);
   const int64_t accf_elems = on_tiles(P) ? (R + 15) / 16 * 16 * Dvp : 0;
   bytes += (accf_elems * 4 + 63) & ~int64_t(63);
@@ -388,9 +395,7 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.qa = (uint16_t*)carve(cur, qa_elems * 2);
   w.kb = (uint32_t*)carve(cur, kb_elems * 4);  // the backward's; the forward's point into kbc
   w.kbad = 0;
-  w.vb3 = scores_on_tiles(P) && P.Dv <= TILE_K_MAX
-              ? (uint32_t*)aligned_alloc(64, (size_t)(tile_b3_elems(P.Dv) * 4 + 64))
-              : nullptr;
+  w.vb3 = vb_elems ? (uint32_t*)carve(cur, vb_elems * 4) : nullptr;
   w.vbad = ~0ull;
   w.qbad = (int8_t*)carve(cur, R);
   w.accf = (float*)carve(cur, accf_elems * 4);
@@ -401,9 +406,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.qa_on = w.qa_scaled = false;
   w.pool = nullptr;
   w.pool_cap = 0;
-  w.qpc = w.dpc = nullptr;
-  w.qbc = w.qpc_ok = w.dbc = w.dpc_ok = nullptr;
-  w.qpc_cap = 0;
+  w.qc = w.dc = PartsCache{nullptr, nullptr, nullptr};
+  w.parts_cap = 0;
   w.slot_of = w.free_slots = nullptr;
   w.slot_cap = 0;
   w.ktc = nullptr;
@@ -414,24 +418,38 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   return true;
 }
 
-// the backward's caches of Q's and dO's parts (bwd_item), emptied
-static void parts_free(Buf& w) {
-  free(w.qpc);
-  free(w.qbc);
-  free(w.qpc_ok);
-  free(w.dpc);
-  free(w.dbc);
-  free(w.dpc_ok);
-  w.qpc = w.dpc = nullptr;
-  w.qbc = w.qpc_ok = w.dbc = w.dpc_ok = nullptr;
-  w.qpc_cap = 0;
+static void parts_free(PartsCache& c) {
+  free(c.parts);
+  free(c.bad);
+  free(c.state);
+  c = PartsCache{nullptr, nullptr, nullptr};
+}
+
+// room for n entries of `elems` parts each (rows of bq); false when out of memory
+static bool parts_alloc(PartsCache& c, int64_t n, int64_t elems, int64_t bq) {
+  parts_free(c);
+  c.parts = (uint16_t*)aligned_alloc(64, (size_t)(n * elems * 2 + 64));
+  c.bad = (int8_t*)malloc((size_t)(n * bq));
+  c.state = (int8_t*)malloc((size_t)n);
+  return c.parts && c.bad && c.state;
+}
+
+// entry e's parts of the nr rows x (K values, ld ldx) times scale, packed at its first use;
+// its state (1, or 2 with a row the split cannot carry)
+static int8_t parts_of(PartsCache& c, int64_t e, int64_t elems, int64_t bq, int64_t nr, int64_t K,
+                       const float* x, int64_t ldx, float scale) {
+  if (!c.state[e]) {
+    tile_pack_rows3(nr, K, x, ldx, c.parts + e * elems, c.bad + e * bq, scale);
+    c.state[e] = __builtin_memchr(c.bad + e * bq, 1, (size_t)nr) ? 2 : 1;
+  }
+  return c.state[e];
 }
 
 static void buf_free(Buf& w) {
   free(w.base);
   free(w.pool);
-  parts_free(w);
-  free(w.vb3);
+  parts_free(w.qc);
+  parts_free(w.dc);
   free(w.slot_of);
   free(w.free_slots);
   free(w.ktc);
@@ -1108,16 +1126,10 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   }
   const int64_t qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
   const int64_t dpe = w.vb3 ? tile_a3_elems(bq, P.Dv) : 0;               // … of dO's rows
-  if (qpe && live * G > w.qpc_cap) {
-    parts_free(w);
-    w.qpc = (uint16_t*)aligned_alloc(64, (size_t)(live * G * qpe * 2 + 64));
-    w.qbc = (int8_t*)malloc((size_t)(live * G * bq));
-    w.qpc_ok = (int8_t*)malloc((size_t)(live * G));
-    w.dpc = (uint16_t*)aligned_alloc(64, (size_t)(live * G * imax(dpe, 1) * 2 + 64));
-    w.dbc = (int8_t*)malloc((size_t)(live * G * bq));
-    w.dpc_ok = (int8_t*)malloc((size_t)(live * G));
-    w.qpc_cap = w.qpc && w.qbc && w.qpc_ok && w.dpc && w.dbc && w.dpc_ok ? live * G : 0;
-    if (!w.qpc_cap) return false;
+  if (qpe && live * G > w.parts_cap) {
+    const bool ok = parts_alloc(w.qc, live * G, qpe, bq) && parts_alloc(w.dc, live * G, imax(dpe, 1), bq);
+    w.parts_cap = ok ? live * G : 0;
+    if (!ok) return false;
   }
   if (imax(t1 - t0, live) > w.slot_cap) {
     free(w.slot_of);
@@ -1144,8 +1156,10 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       const int32_t s = w.free_slots[--n_free];
       w.slot_of[next_first - t0] = s;
       __builtin_memset(w.pool + s * tile, 0, (size_t)tile * 8);
-      if (qpe) __builtin_memset(w.qpc_ok + s * G, 0, (size_t)G);
-      if (qpe) __builtin_memset(w.dpc_ok + s * G, 0, (size_t)G);
+      if (qpe) {
+        __builtin_memset(w.qc.state + s * G, 0, (size_t)G);
+        __builtin_memset(w.dc.state + s * G, 0, (size_t)G);
+      }
       ++next_first;
     }
     const int64_t e0 = L.col_ptr[j], e1 = L.col_ptr[j + 1];
@@ -1168,39 +1182,21 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           bwd_row(P, b, h, r0, r, w);
           w.delta[r] = P.delta[idx];  // the row pass's Δ (delta_item)
         }
-        if (qpe) {  // the rows' parts: packed at this query tile's first column of the chunk
-          const int64_t ci = w.slot_of[Bp.local[e]] * G + g;
-          w.qa = w.qpc + ci * qpe;
-          w.qbad = w.qbc + ci * bq;
-          if (!w.qpc_ok[ci])
-            tile_pack_rows3(nr, P.D, w.q, Dp, w.qa, w.qbad,
-                            tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
-          w.qpc_ok[ci] = 1;
+        const int64_t ci = qpe ? w.slot_of[Bp.local[e]] * G + g : 0;  // the caches' entry
+        if (qpe) {  // the rows' parts, for the scores
+          parts_of(w.qc, ci, qpe, bq, nr, P.D, w.q, Dp, tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
+          w.qa = w.qc.parts + ci * qpe;
+          w.qbad = w.qc.bad + ci * bq;
           w.qa_on = true;
         }
         tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
         exact_rows(P, nr, w.kr, Dp, kw, w);
         if (exact || !DP_FLOAT_CHAINS) dp_operands(P, nr, vt_ready, w);
-        // float32 on the tiles: dO Vᵀ as the scores are formed (dO's rows in three parts, packed
-        // at the query tile's first column of the chunk, against the V tile's), gemm_dp's float
-        // chains; where the split cannot carry some value of either, gemm_dp
-        bool dp_tiles = false;
-        if (!exact && dpe && w.vbad == 0) {
-          const int64_t ci = w.slot_of[Bp.local[e]] * G + g;
-          uint16_t* parts = w.dpc + ci * dpe;
-          if (!w.dpc_ok[ci]) {  // 1: packed, 2: packed, some row not carried
-            int8_t* bad = w.dbc + ci * bq;
-            tile_pack_rows3(nr, P.Dv, w.dO, Dvp, parts, bad, 1.0f);
-            w.dpc_ok[ci] = __builtin_memchr(bad, 1, (size_t)nr) ? 2 : 1;
-          }
-          if (w.dpc_ok[ci] == 1) {
-            tile_chain3_f64(nr, P.Dv, parts, w.vb3, w.dp64, BK);
-            dp_tiles = true;
-          }
-        }
-        // bfloat16: dO Vᵀ on the tiles (one float chain over Dv, widened), else gemm_dp
-        if (dp_tiles) {
-          // formed above
+        // float32 on the tiles: dO Vᵀ as the scores are formed (dO's rows' parts against the V
+        // tile's), gemm_dp's float chains, unless the split cannot carry some value of either;
+        // bfloat16: dO Vᵀ on the tiles (one float chain over Dv, widened); else gemm_dp
+        if (!exact && dpe && w.vbad == 0 && parts_of(w.dc, ci, dpe, bq, nr, P.Dv, w.dO, Dvp, 1.0f) == 1) {
+          tile_chain3_f64(nr, P.Dv, w.dc.parts + ci * dpe, w.vb3, w.dp64, BK);
         } else if (!exact && bwd_on_tiles(P) && tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, w.o, BK)) {
           for (int64_t x = 0; x < nr * BK; ++x) w.dp64[x] = (double)w.o[x];
         } else {
