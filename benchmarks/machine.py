@@ -4,7 +4,8 @@
   recorded with every result;
 - `cpu_pressure_total_s()` (Linux PSI) and `cpu_busy_fraction()` (/proc/stat), the two readings
   of contention; `QuietGate` waits before a timed round while other processes keep the CPUs busy;
-- `matmul_gflops()`: torch's fp32 matmul rate, the ceiling a CPU suite measures in the same run.
+- `matmul_gflops()`: torch's fp32 matmul rate, the ceiling a CPU suite measures in the same run;
+  `matmul_spread()`: many short samples of one matmul's rate, to show how steady a unit was.
 """
 
 from __future__ import annotations
@@ -186,3 +187,26 @@ def matmul_gflops(size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS) -> flo
         a @ b
         times.append(time.perf_counter() - start)
     return 2.0 * size**3 / statistics.median(times) / 1e9
+
+
+def matmul_spread(
+    dtype: torch.dtype = torch.bfloat16, size: int = 1024, samples: int = 15, sample_s: float = 0.05
+) -> list[float]:
+    """GFLOP/s of `samples` short samples of torch's size³ matmul in `dtype`, each about
+    `sample_s` long (as many products as the warm-up says fit): their spread is how steady the
+    unit that runs them (a shared tile unit, say) was, where one median would hide it."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
+    start = time.perf_counter()
+    a @ b
+    a @ b
+    per = max((time.perf_counter() - start) / 2, 1e-6)
+    n = max(1, round(sample_s / per))
+    rates = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(n):
+            a @ b
+        rates.append(2.0 * size**3 * n / (time.perf_counter() - start) / 1e9)
+    return rates

@@ -32,6 +32,8 @@ qkv's pure-PyTorch `tiled`, every figure a ratio against an anchor measured in t
   and resumed with SIGCONT, then 0.3 s to settle, for the loaded ones); within each round every
   implementation runs alone and loaded (the runner's interleaving, no quiet gate),
   **slowdown** = loaded / alone time within a round, the median over rounds.
+- bf16 matmul: 15 short samples of torch's bf16 matmul at the start and the end of the run
+  (`machine.matmul_spread`), how steady the unit the amx path's products share was.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import torch.nn.functional as F
 
 import qkv
 
+from .. import machine
 from .. import report as rp
 from ..probe import bind_call, short_error
 from ..results import Results, median_or_none, paired_ratio
@@ -63,6 +66,7 @@ TILE = sparse.TILE
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_D = 32, 8, 128
 COPY_BYTES = 256 * 2**20  # the bandwidth anchor: a copy of 256 MiB (read it, write it)
 MILLION = 1_048_576
+SPREAD_SIZE = 1024  # the bf16 matmul sampled at the start and the end of the run
 SETTLE_S = 0.3  # after resuming the competing process, before a loaded call
 PIN_ENV = "QKV_CPU_PIN"  # "0": the kernel leaves its threads where Linux puts them
 UNPINNED = "cpu, QKV_CPU_PIN=0"
@@ -405,6 +409,11 @@ def under_load(s: Settings, _: Results) -> list[dict[str, Any]]:
     return out
 
 
+def tile_spread(_: Settings, __: Results) -> dict[str, Any]:
+    """Short samples of torch's bf16 matmul (the tile unit where the CPU has AMX), GFLOP/s."""
+    return {"size": SPREAD_SIZE, "gflops": machine.matmul_spread(torch.bfloat16, SPREAD_SIZE)}
+
+
 # --------------------------------------------------------------------------- the suite's hooks
 
 
@@ -643,6 +652,34 @@ MEMORY_TABLE = rp.Table(
 )
 
 
+def spread_block(r: Results) -> list[str]:
+    runs = [(when, r.stages.get(f"bf16 {when}")) for when in ("start", "end")]
+    lines = ["### bf16 matmul: how steady the tile unit was", ""]
+    if not any(run for _, run in runs):
+        return [*lines, "Not run (dry run)." if r.dry_run else "Not run.", ""]
+    size = next(run["size"] for _, run in runs if run)
+    lines += [
+        f"torch's bf16 matmul (`{size}×{size} @ {size}×{size}`, oneDNN's kernels: on the AMX tile "
+        "unit where the CPU has one), 15 samples of about 50 ms at the start and at the end of "
+        "the run, GFLOP/s. On the amx path the kernel's float32 scores and dP and all its "
+        "bfloat16 products run on that unit: a wide spread here (a unit shared with another "
+        "tenant of the host, say) moves the amx path's figures with it, while the fp32 ceiling "
+        "above (vector units) may stay put.",
+        "",
+        "| when | min | median | max | max ÷ min |",
+        "|:---|---:|---:|---:|---:|",
+    ]
+    for when, run in runs:
+        if not run:
+            lines.append(f"| {when} | — | — | — | — |")
+            continue
+        g = sorted(run["gflops"])
+        lines.append(
+            f"| {when} | {g[0]:.0f} | {median_or_none(g):.0f} | {g[-1]:.0f} | {g[-1] / g[0]:.2f} |"
+        )
+    return [*lines, ""]
+
+
 def load_block(r: Results) -> list[str]:
     rows = r.stages.get("load")
     lines = ["### Under load (forward, one competing CPU-bound process)", ""]
@@ -830,9 +867,19 @@ SUITE = Suite(
     name="cpu",
     title="Compiled CPU kernel",
     settings={"full": FULL, "quick": QUICK},
-    steps=(DENSE, PATTERN_GROUP, DECODE, SMALL, MEMORY, Stage("load", under_load)),
+    steps=(
+        Stage("bf16 start", tile_spread),
+        DENSE,
+        PATTERN_GROUP,
+        DECODE,
+        SMALL,
+        MEMORY,
+        Stage("load", under_load),
+        Stage("bf16 end", tile_spread),
+    ),
     targets=TARGETS,
     report=(
+        spread_block,
         DENSE_TABLE,
         SHAPES_TABLE,
         PATTERN_TABLE,

@@ -195,3 +195,16 @@ def test_cpu_load_stage_runs_the_kernel_with_and_without_its_thread_placement(mo
     assert seen[-1] == "0" and os.environ[cpu.PIN_ENV] == "1"
     for _, _, calls in cpu.load_cases(cpu.QUICK):
         assert list(calls) == ["cpu", cpu.UNPINNED, "sdpa"]
+
+
+def test_cpu_bf16_spread_samples_and_its_table():
+    from benchmarks import machine
+
+    rates = machine.matmul_spread(size=32, samples=3, sample_s=0.001)
+    assert len(rates) == 3 and all(r > 0 for r in rates)
+    res = Results(suite="cpu", mode="full", command="", machine={})
+    assert cpu.spread_block(res)[-2] == "Not run."
+    res.stages["bf16 start"] = {"size": 1024, "gflops": [500.0, 250.0, 1000.0]}
+    lines = cpu.spread_block(res)
+    assert "| start | 250 | 500 | 1000 | 4.00 |" in lines
+    assert "| end | — | — | — | — |" in lines  # a run cut short before its last stage
