@@ -190,6 +190,36 @@ def test_amx_float32_dp_on_the_tiles_passes_the_rule(monkeypatch, hostile):
         assert_error_ratio(got, r, g, factor=3.0, what=f"d{what}")
 
 
+@pytest.mark.parametrize("hostile", ["none", "query-value", "key-value", "both"])
+def test_amx_float32_key_tiles_packed_once_per_call_pass_the_rule(hostile):
+    """Rows of more key tiles than a worker keeps (dense, N = 1300: 21 tiles) read each key
+    tile's parts from a store packed once per call. A query row or a key holding one value the
+    split cannot carry (nonzero below 2⁻⁸⁰; the rest of it ordinary, so a wrong key tile would
+    show) has its scores formed from the tile itself on AVX-512, which the store's readers then
+    pack for themselves."""
+    if not OPS.isa_supported("amx"):
+        pytest.skip("this CPU lacks AMX-BF16 (or the OS's leave to use the tiles)")
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, Nq=1300, D=64)
+    q, k = q.clone(), k.clone()
+    if hostile in ("query-value", "both"):
+        q[0, 1, 900, 3] = 1e-30
+    if hostile in ("key-value", "both"):
+        k[0, 0, 700, 5] = 1e-30
+    gen = torch.Generator().manual_seed(4)
+    dout = torch.randn(1, 4, 1300, 64, generator=gen)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = qkv.attention(q, k, v, backend="cpu")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = qkv.attention(q, k, v, backend="reference")
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    gold = qkv.attention(qd, kd, vd, backend="reference")
+    gold_grads = torch.autograd.grad(gold, (qd, kd, vd), dout.double())
+    assert_error_ratio(out, ref, gold, factor=2.0, what="out")
+    for got, r, g, what in zip(grads, ref_grads, gold_grads, "qkv", strict=True):
+        assert_error_ratio(got, r, g, factor=3.0, what=f"d{what}")
+
+
 @pytest.mark.parametrize("value", ["bogus", "avx512x"])
 def test_a_bad_isa_request_is_a_reason_not_a_crash(monkeypatch, value):
     monkeypatch.setenv(isa.ENV, value)

@@ -24,7 +24,8 @@ namespace amx {
 #define QKV_ISA_NAME "amx"
 #include "tiles_amx.h"
 #include "kernel.h"
-const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker};
+const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker,
+                         fwd_share_elems};
 }  // namespace amx
 }  // namespace qkv_cpu
 

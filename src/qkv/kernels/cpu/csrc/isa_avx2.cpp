@@ -17,7 +17,8 @@ namespace qkv_cpu {
 namespace avx2 {
 #include "simd_avx2.h"
 #include "kernel.h"
-const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker};
+const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker,
+                         fwd_share_elems};
 }  // namespace avx2
 }  // namespace qkv_cpu
 

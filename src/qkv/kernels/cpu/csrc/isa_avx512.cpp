@@ -18,7 +18,8 @@ namespace qkv_cpu {
 namespace avx512 {
 #include "simd_avx512.h"
 #include "kernel.h"
-const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker};
+const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker,
+                         fwd_share_elems};
 }  // namespace avx512
 }  // namespace qkv_cpu
 

@@ -8,6 +8,7 @@ namespace qkv_cpu {
 namespace portable {
 #include "simd_portable.h"
 #include "kernel.h"
-const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker};
+const Kernels kernels = {QKV_ISA_NAME, forward_worker, backward_worker, delta_worker,
+                         fwd_share_elems};
 }  // namespace portable
 }  // namespace qkv_cpu

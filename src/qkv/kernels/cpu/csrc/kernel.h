@@ -309,6 +309,8 @@ struct Buf {
                       // three parts, tile_pack_rows3)
   bool qa_on;         // qa holds the rows of w.q
   int8_t* qbad;       // tile unit, float32: rows of qa the split cannot carry (gemm_chain forms them)
+  bool qbad_any;      // … some row of the forward's item
+  int64_t kt0;        // forward, the call's key-tile store: the tile slot 0's kt holds, or −1
   uint32_t* kb;       // tile unit, float32: the packed key tile's three parts (tile_pack_keys3;
                       // the forward's in its slot of kbc)
   uint64_t kbad;      // … its keys the split cannot carry (gemm_chain forms them)
@@ -758,7 +760,22 @@ static bool ktc_alloc(Buf& w, const Problem& P) {
     if (!w.kbc || !w.kbadc) return false;
   }
   for (int64_t s = 0; s < KT_SLOTS; ++s) w.ktag[s] = -1;
+  w.kt0 = -1;
   return true;
+}
+
+// The call-wide parts of the key tiles (FwdPlan.kparts), where the rows of tiles are on average
+// longer than a worker's slots (dense, causal): there every item packed every key tile of its
+// row afresh (the transposition, the norms and the split: 7–9% of the dense forward's samples);
+// with the store each tile is packed once per call. Up to KSHARE_MAX_BYTES (dense N = 4096,
+// H = 8, D = 64: 12 MiB), so that long sparse rows (the Longformer's memory) are not charged.
+constexpr int64_t KSHARE_MAX_BYTES = int64_t(64) << 20;
+static int64_t fwd_share_elems(const Problem& P) {
+  if (!scores_on_tiles(P) || P.D != P.Dp) return 0;
+  const Layout& L = P.lay;
+  const int64_t elems = P.B * P.Hkv * L.nkb * tile_b3_elems(P.D);
+  const bool long_rows = L.row_ptr[L.nqb] > KT_SLOTS * L.nqb;
+  return long_rows && elems * 4 <= KSHARE_MAX_BYTES ? elems : 0;
 }
 
 // Point w.kt at key tile j of (b, hkv), packed, and set w.kmax (precise scores). With `need_kr`
@@ -766,11 +783,40 @@ static bool ktc_alloc(Buf& w, const Problem& P) {
 // Without `keep` (an item whose row spans more tiles than the slots: walked in order, each tile
 // would leave its slot before the next item came back to it) every tile is packed into slot 0,
 // which stays in L1, instead of cycling through 16 slots' 256 KB (dense N = 4096: 0.97 of the
-// forward's time, pairs of calls, 2 cores, Zen 3).
-static void fwd_key_tile(const Problem& P, int64_t b, int64_t hkv, int64_t j, int64_t c0,
-                         int64_t kw, bool need_kr, Buf& w, bool keep = true) {
+// forward's time, pairs of calls, 2 cores, Zen 3); with the call's store (F.kparts) the first
+// item to reach a tile packs its parts there and the others read them (w.kt, then, holds the
+// tile only where gemm_chain needs it: keys or rows the split cannot carry).
+static void fwd_key_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t hkv, int64_t j,
+                         int64_t c0, int64_t kw, bool need_kr, Buf& w, bool keep = true) {
   const int64_t tag = (b * P.Hkv + hkv) * P.lay.nkb + j, slot = keep ? j % KT_SLOTS : 0;
   w.kt = w.ktc + slot * P.Dp * BK;
+  if (F.kparts && !keep && !need_kr && kw == BK) {
+    int32_t* state = F.kstate + tag;
+    int32_t st = __atomic_load_n(state, __ATOMIC_ACQUIRE), idle = 0;
+    uint32_t* parts = F.kparts + tag * tile_b3_elems(P.D);
+    // slot 0's kt, rewritten here, no longer matches its parts: w.kt0 names the tile it holds
+    if (st == 0 && __atomic_compare_exchange_n(state, &idle, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+      pack_k(P, b, hkv, c0, kw, w, false, false);
+      w.ktag[slot] = -1;
+      w.kt0 = tag;
+      F.kmaxv[tag] = P.precise_scores ? key_norm_max(P, w.kt, kw) : 0.0;
+      F.kbadv[tag] = tile_pack_keys3(P.D, w.kt, BK, parts);
+      __atomic_store_n(state, 2, __ATOMIC_RELEASE);
+      st = 2;
+    }
+    if (st == 2) {  // (another item packing it: this one packs its own below)
+      w.kb = parts;
+      w.kbad = F.kbadv[tag];
+      w.kmax = F.kmaxv[tag];
+      if ((w.kbad || w.qbad_any) && w.kt0 != tag) {
+        pack_k(P, b, hkv, c0, kw, w, false, false);
+        w.ktag[slot] = -1;
+        w.kt0 = tag;
+      }
+      return;
+    }
+  }
+  if (slot == 0) w.kt0 = -1;
   if (w.ktag[slot] != tag) {
     pack_k(P, b, hkv, c0, kw, w, false, false);
     w.kmaxc[slot] = P.precise_scores ? key_norm_max(P, w.kt, kw) : 0.0;
@@ -808,8 +854,11 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
   // (bfloat16: scaled, where the scale is a power of two: q·k·2ᵉ rounds as (q·k)·2ᵉ does)
   int scale_exp = 0;
   w.qa_scaled = on_tiles(P) && w.qa_on && __builtin_frexpf(P.mods.scale, &scale_exp) == 0.5f;
-  if (scores_on_tiles(P))
+  w.qbad_any = false;
+  if (scores_on_tiles(P)) {
     tile_pack_rows3(M, P.D, w.q, Dp, w.qa, w.qbad, tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
+    for (int64_t R = 0; R < M; ++R) w.qbad_any = w.qbad_any || w.qbad[R];
+  }
   else if (w.qa_on)
     tile_pack_rows(M, P.D, w.q, Dp, w.qa, w.qa_scaled ? P.mods.scale : 1.0f);
   __builtin_memset(w.acc, 0, (size_t)(M * Dvp) * 8);
@@ -833,7 +882,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     int64_t ldk = Dp;
     if (!P.dot_scores) {
       const bool whole = P.dtype == DT_F32 && kw == BK && P.D == Dp;  // kt from the tensor, no kr
-      fwd_key_tile(P, b, hkv, j, c0, kw, !whole && P.precise_scores, w, it.e1 - it.e0 <= KT_SLOTS);
+      fwd_key_tile(P, F, b, hkv, j, c0, kw, !whole && P.precise_scores, w, it.e1 - it.e0 <= KT_SLOTS);
       if (whole) {
         krows = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
         ldk = P.k.sn;

@@ -373,6 +373,10 @@ struct FwdState {
   std::vector<FwdItem> items;
   std::vector<int32_t> nsplit, done;
   std::vector<int8_t> v_finite;
+  std::vector<int32_t> kstate;
+  std::vector<uint64_t> kbadv;
+  std::vector<double> kmaxv;
+  at::Tensor kparts;  // uninitialised: each tile's parts are written before its state says so
   std::vector<int64_t> part_base;
   std::vector<float> part_m;
   std::vector<double> part_l, part_acc;
@@ -598,6 +602,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   fill_empty_rows(P, out);
   FwdState S;
   plan_forward(P, S);
+  if (const int64_t share = K.fwd_share_elems(P)) {  // the key tiles' parts, packed once per call
+    const int64_t tiles = P.B * P.Hkv * P.lay.nkb;
+    S.kparts = at::empty({share}, at::TensorOptions().dtype(at::kInt));
+    S.kstate.assign(tiles, 0);
+    S.kbadv.assign(tiles, 0);
+    S.kmaxv.assign(tiles, 0.0);
+    S.plan.kparts = (uint32_t*)S.kparts.data_ptr<int32_t>();
+    S.plan.kstate = S.kstate.data();
+    S.plan.kbadv = S.kbadv.data();
+    S.plan.kmaxv = S.kmaxv.data();
+  }
   int64_t next = 0;
   int32_t error = 0;
   run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]),

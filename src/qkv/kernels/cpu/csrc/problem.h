@@ -128,6 +128,13 @@ struct FwdPlan {
   double* part_acc;          // per slot: mmax × Dvp
   int64_t mmax;              // most rows of an item: G · bq
   int8_t* v_finite;          // per (b, hkv, key tile): −1 unknown, 0/1 whether V is finite
+  // float32 scores on the tile unit, rows longer than a worker's key-tile slots (dense, causal):
+  // each key tile's three parts packed once per call by the first item that reaches it and read
+  // by every other (null: each worker packs its own)
+  uint32_t* kparts;          // per (b, hkv, key tile): fwd_share_elems / tiles
+  int32_t* kstate;           // … 0 not packed, 1 being packed, 2 packed
+  uint64_t* kbadv;           // … its keys the split cannot carry
+  double* kmaxv;             // … its largest key norm
 };
 
 // Backward work item: key tiles of chunk c of (b, kv head hkv).
@@ -163,6 +170,7 @@ struct Kernels {
   void (*forward)(const Problem&, const FwdPlan&, int64_t* next, int32_t* error);
   void (*backward)(const Problem&, const BwdPlan&, int64_t* next, int32_t* error);
   void (*delta)(const Problem&, int64_t* next, int32_t* error);  // items: (b, hkv, query tile)
+  int64_t (*fwd_share_elems)(const Problem&);  // FwdPlan.kparts' size in uint32 (0: none)
 };
 
 namespace portable {
