@@ -1128,11 +1128,18 @@ static inline void bwd_pack(const Problem& P, int64_t b, int64_t hkv, int64_t c0
 // where dP needs it, dp_operands), 1/l, m, the ALiBi slope, the position, the mask-bit offset,
 // the dropout hash. The column pass (bwd_item) and the row pass (delta_item) both load rows with
 // it, so the row pass recomputes P and dP from the very same inputs.
-static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r, Buf& w) {
+static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r, Buf& w,
+                           bool rows_in_place = false) {
   const Layout& L = P.lay;
   const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
-  load_q(P, b, h, r0 + r, w.q + r * P.Dp, w.q64 + r * P.Dp, w.qn + r);
-  load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, w.dO + r * P.Dvp);
+  if (rows_in_place) {  // w.q and w.dO point at the tensors' rows: the norm only
+    V16 ss = v_set(0.0f);
+    for (int64_t d = 0; d < P.Dp; d += 16) ss = v_fma(v_load(w.q + r * P.Dp + d), v_load(w.q + r * P.Dp + d), ss);
+    w.qn[r] = __builtin_sqrt((double)v_hsum(ss));
+  } else {
+    load_q(P, b, h, r0 + r, w.q + r * P.Dp, w.q64 + r * P.Dp, w.qn + r);
+    load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, w.dO + r * P.Dvp);
+  }
   const double lr = P.l[idx];
   w.inv_l[r] = lr > 0.0 ? 1.0 / lr : 0.0;
   w.mrow[r] = P.m[idx];
@@ -1200,6 +1207,10 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
   const int64_t es = elem_size(P.dtype);
   bool vt_ready = false;
+  float* const qbuf = w.q;
+  float* const dobuf = w.dO;
+  const bool rows_in_place = P.dtype == DT_F32 && P.precise_scores && !P.dot_scores &&
+                             P.D == P.Dp && P.Dv == P.Dvp && P.q.sn == P.Dp && P.dout.sn == P.Dvp;
   for (int64_t j = j0; j < j1; ++j) {
     while (next_first < t1 && Bp.t_first[next_first] == j) {
       const int32_t s = w.free_slots[--n_free];
@@ -1224,11 +1235,17 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       const int64_t i = L.row_idx[e], code = L.code_t[e], r0 = tile_r0(P, i), nr = tile_nr(P, i);
       const bool exact = P.peaked[(b * P.Hkv + hkv) * L.nqb + i];  // dP exact (gemm_dp)
       double* qacc = w.pool + w.slot_of[Bp.local[e]] * tile;
+      // float32 rows of Q and dO as the products read them (ld Dp, Dvp) already: read in place,
+      // not copied per (column, query tile); not the last query tile, so that reads a vector
+      // past a tile's last row stay inside the tensor
+      const bool in_place = rows_in_place && i + 1 < L.nqb;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hkv * G + g;
+        w.q = in_place ? (float*)row_of(P.q, P.dtype, b, h, r0) : qbuf;
+        w.dO = in_place ? (float*)row_of(P.dout, P.dtype, b, h, r0) : dobuf;
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
-          bwd_row(P, b, h, r0, r, w);
+          bwd_row(P, b, h, r0, r, w, in_place);
           w.delta[r] = P.delta[idx];  // the row pass's Δ (delta_item)
         }
         const int64_t ci = qpe ? w.slot_of[Bp.local[e]] * G + g : 0;  // the caches' entry
@@ -1322,6 +1339,8 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       ++next_flush;
     }
   }
+  w.q = qbuf;
+  w.dO = dobuf;
   return true;
 }
 
