@@ -657,11 +657,11 @@ def spread_block(r: Results) -> list[str]:
     lines = ["### bf16 matmul: how steady the tile unit was", ""]
     if not any(run for _, run in runs):
         return [*lines, "Not run (dry run)." if r.dry_run else "Not run.", ""]
-    size = next(run["size"] for _, run in runs if run)
+    size, samples = next((run["size"], len(run["gflops"])) for _, run in runs if run)
     lines += [
         f"torch's bf16 matmul (`{size}×{size} @ {size}×{size}`, oneDNN's kernels: on the AMX tile "
-        "unit where the CPU has one), 15 samples of about 50 ms at the start and at the end of "
-        "the run, GFLOP/s. On the amx path the kernel's float32 scores and dP and all its "
+        f"unit where the CPU has one), {samples} samples of about 50 ms at the start and at the "
+        "end of the run, GFLOP/s. On the amx path the kernel's float32 scores and dP and all its "
         "bfloat16 products run on that unit: a wide spread here (a unit shared with another "
         "tenant of the host, say) moves the amx path's figures with it, while the fp32 ceiling "
         "above (vector units) may stay put.",

@@ -605,15 +605,20 @@ static inline V16 exp_scores(const float* srow, const float* lorow, int64_t q, V
 
 // load row n of q (b, h) into q[·] and, for precise scores, its norm *qn (and q64[·] for
 // decoding's dot products)
+// |q| of a row of Dp floats
+static inline double row_norm(const Problem& P, const float* q) {
+  V16 ss = v_set(0.0f);
+  for (int64_t d = 0; d < P.Dp; d += 16) ss = v_fma(v_load(q + d), v_load(q + d), ss);
+  return __builtin_sqrt((double)v_hsum(ss));
+}
+
 static inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t n, float* q, double* q64,
                           double* qn) {
   load_row(row_of(P.q, P.dtype, b, h, n), P.dtype, P.D, P.Dp, q);
   if (!P.precise_scores) return;
   if (P.dot_scores)
     for (int64_t d = 0; d < P.Dp; ++d) q64[d] = (double)q[d];
-  V16 ss = v_set(0.0f);
-  for (int64_t d = 0; d < P.Dp; d += 16) ss = v_fma(v_load(q + d), v_load(q + d), ss);
-  *qn = __builtin_sqrt((double)v_hsum(ss));
+  *qn = row_norm(P, q);
 }
 
 // Precise scores whose products are large lose, in the float chains, more than the float32
@@ -786,6 +791,15 @@ static int64_t fwd_share_elems(const Problem& P) {
 // forward's time, pairs of calls, 2 cores, Zen 3); with the call's store (F.kparts) the first
 // item to reach a tile packs its parts there and the others read them (w.kt, then, holds the
 // tile only where gemm_chain needs it: keys or rows the split cannot carry).
+// key tile j (rows c0 …) into w.kt, its largest key norm into *kmax and its three parts (scores
+// on the tiles) into parts; the keys the split cannot carry into *kbad
+static void pack_key_tile(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw, Buf& w,
+                          uint32_t* parts, double* kmax, uint64_t* kbad) {
+  pack_k(P, b, hkv, c0, kw, w, false, false);
+  *kmax = P.precise_scores ? key_norm_max(P, w.kt, kw) : 0.0;
+  if (scores_on_tiles(P)) *kbad = tile_pack_keys3(P.D, w.kt, BK, parts);
+}
+
 static void fwd_key_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t hkv, int64_t j,
                          int64_t c0, int64_t kw, bool need_kr, Buf& w, bool keep = true) {
   const int64_t tag = (b * P.Hkv + hkv) * P.lay.nkb + j, slot = keep ? j % KT_SLOTS : 0;
@@ -796,11 +810,9 @@ static void fwd_key_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t 
     uint32_t* parts = F.kparts + tag * tile_b3_elems(P.D);
     // slot 0's kt, rewritten here, no longer matches its parts: w.kt0 names the tile it holds
     if (st == 0 && __atomic_compare_exchange_n(state, &idle, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-      pack_k(P, b, hkv, c0, kw, w, false, false);
+      pack_key_tile(P, b, hkv, c0, kw, w, parts, F.kmaxv + tag, F.kbadv + tag);
       w.ktag[slot] = -1;
       w.kt0 = tag;
-      F.kmaxv[tag] = P.precise_scores ? key_norm_max(P, w.kt, kw) : 0.0;
-      F.kbadv[tag] = tile_pack_keys3(P.D, w.kt, BK, parts);
       __atomic_store_n(state, 2, __ATOMIC_RELEASE);
       st = 2;
     }
@@ -818,10 +830,8 @@ static void fwd_key_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t 
   }
   if (slot == 0) w.kt0 = -1;
   if (w.ktag[slot] != tag) {
-    pack_k(P, b, hkv, c0, kw, w, false, false);
-    w.kmaxc[slot] = P.precise_scores ? key_norm_max(P, w.kt, kw) : 0.0;
-    if (scores_on_tiles(P))
-      w.kbadc[slot] = tile_pack_keys3(P.D, w.kt, BK, w.kbc + slot * tile_b3_elems(P.D));
+    pack_key_tile(P, b, hkv, c0, kw, w, scores_on_tiles(P) ? w.kbc + slot * tile_b3_elems(P.D) : nullptr,
+                  w.kmaxc + slot, scores_on_tiles(P) ? w.kbadc + slot : nullptr);
     w.ktag[slot] = need_kr || !keep ? -1 : tag;
   }
   w.kmax = w.kmaxc[slot];
@@ -1133,9 +1143,7 @@ static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, i
   const Layout& L = P.lay;
   const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
   if (rows_in_place) {  // w.q and w.dO point at the tensors' rows: the norm only
-    V16 ss = v_set(0.0f);
-    for (int64_t d = 0; d < P.Dp; d += 16) ss = v_fma(v_load(w.q + r * P.Dp + d), v_load(w.q + r * P.Dp + d), ss);
-    w.qn[r] = __builtin_sqrt((double)v_hsum(ss));
+    w.qn[r] = row_norm(P, w.q + r * P.Dp);
   } else {
     load_q(P, b, h, r0 + r, w.q + r * P.Dp, w.q64 + r * P.Dp, w.qn + r);
     load_row(row_of(P.dout, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, w.dO + r * P.Dvp);
