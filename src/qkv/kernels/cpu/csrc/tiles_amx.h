@@ -330,10 +330,11 @@ static inline void dp_next_b(int& reg, int64_t t, const uint32_t* b) {
 // chain kk is the unit's float sum, from 0, of the six products of parts over d = 32kk … 32kk+31
 // in the order q_l k_h, q_m k_m, q_m k_h, q_h k_l, q_h k_m, q_h k_h; the chains widened to double
 // and added in order (gemm_chain's conventions). With `folded` (the rows' parts came times the
-// scale, a power of two: tile_scale_folds) the chains are added in order in float instead: for
-// D ≤ 64, two chains, one rounding of their sum either way, at a quarter of the vector work. The
-// same (row, key) gets the same bits from any call. N a multiple of 16, 16·t0 + N ≤ 64,
-// K ≤ TILE_K_MAX.
+// scale, a power of two: tile_scale_folds) the unit's accumulator runs on over all of d instead
+// (one float chain of the products, step after step, in the order above) and whole blocks of 16
+// rows are stored from the tiles straight into C: no vector pass (docs/cpu.md gives what it
+// saved). The same (row, key) gets the same bits from any call. N a multiple
+// of 16, 16·t0 + N ≤ 64, K ≤ TILE_K_MAX.
 // whether the scores' scale folds into the rows' parts: a power of two, so that (q·s)·k is
 // (q·k)·s exactly, and ≥ 2⁻¹⁶, so that no part it scales becomes subnormal (split3's bound)
 static inline bool tile_scale_folds(float scale) {
@@ -341,15 +342,18 @@ static inline bool tile_scale_folds(float scale) {
   return __builtin_frexpf(scale, &e) == 0.5f && e >= -15 && e <= 16;
 }
 
-// chain kk of one block of 16 rows (a: its parts) at cs + kk·1024 (16 rows × 64 floats)
+// chain kk of one block of 16 rows (a: its parts) at cs + kk·1024 (16 rows × 64 floats); with
+// ldc, one chain over all kk, stored at cs (ld ldc floats)
 static inline void chain3_block(int64_t N, int64_t K, const uint16_t* a, const uint32_t* bpack,
-                                int64_t t0, float* cs) {
+                                int64_t t0, float* cs, int64_t ldc = 0) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, nt = N / 16;
   for (int64_t kk = 0; kk < nk; ++kk) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if (kk == 0 || !ldc) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
     const uint16_t* ak = a + kk * 3 * 512;
     const uint32_t* b = bpack + (kk * 4 + t0) * 3 * 256;
     // each pass of one A part and one B part runs over the four C tiles, so consecutive
@@ -368,11 +372,13 @@ static inline void chain3_block(int64_t N, int64_t K, const uint16_t* a, const u
     QKV_PASS(1)
     QKV_PASS(0)
 #undef QKV_PASS
-    float* c = cs + kk * 1024;
-    _tile_stored(0, c, 256);
-    if (nt > 1) _tile_stored(1, c + 16, 256);
-    if (nt > 2) _tile_stored(2, c + 32, 256);
-    if (nt > 3) _tile_stored(3, c + 48, 256);
+    if (ldc && kk + 1 < nk) continue;
+    float* c = ldc ? cs : cs + kk * 1024;
+    const int64_t ld = ldc ? ldc * 4 : 256;
+    _tile_stored(0, c, ld);
+    if (nt > 1) _tile_stored(1, c + 16, ld);
+    if (nt > 2) _tile_stored(2, c + 32, ld);
+    if (nt > 3) _tile_stored(3, c + 48, ld);
   }
 }
 
@@ -398,16 +404,17 @@ static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
   tiles_on();
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
-    chain3_block(N, K, apack + m0 / 16 * nk * 3 * 512, bpack, t0, cs);
     if (folded) {
+      if (rows == 16) {
+        chain3_block(N, K, apack + m0 / 16 * nk * 3 * 512, bpack, t0, C + m0 * ldc, ldc);
+        continue;
+      }
+      chain3_block(N, K, apack + m0 / 16 * nk * 3 * 512, bpack, t0, cs, 64);
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t x = 0; x < N; x += 16) {
-          __m512 sum = _mm512_load_ps(cs + r * 64 + x);
-          for (int64_t kk = 1; kk < nk; ++kk) sum = _mm512_add_ps(sum, _mm512_load_ps(cs + kk * 1024 + r * 64 + x));
-          _mm512_storeu_ps(C + (m0 + r) * ldc + x, sum);
-        }
+        for (int64_t x = 0; x < N; x += 16) _mm512_storeu_ps(C + (m0 + r) * ldc + x, _mm512_load_ps(cs + r * 64 + x));
       continue;
     }
+    chain3_block(N, K, apack + m0 / 16 * nk * 3 * 512, bpack, t0, cs);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t x = 0; x < N; x += 16) {
         __m512d lo, hi;
