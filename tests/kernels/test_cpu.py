@@ -305,14 +305,16 @@ def test_the_backward_tiles_the_queries_by_its_own_block_size(monkeypatch, causa
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    # Work is cut by the problem (up to 4 threads), and partial results merge in a fixed order.
+    # Work is cut by the problem (up to 4 threads), and partial results merge in a fixed order;
+    # workers start on ranges of the items and steal halves of each other's (7 threads, more than
+    # the CPUs here: steals while threads are descheduled), every item taken once.
     q, k, v = make_qkv(B=1, H=2, Nq=300, Nk=2000, D=32, requires_grad=True)
     m = masks.sliding_window(300) | masks.global_tokens([0, 7])
     dout = _dout((1, 2, 300, 32))
     results = []
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2, 3):
+        for n in (1, 2, 3, 7):
             torch.set_num_threads(n)
             out = qkv.attention(q, k, v, mask=m, backend="cpu")
             results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))

@@ -1061,7 +1061,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
   finish_rows(P, b, hkv, r0, nr, w.mrow, w.l, w.acc, Dvp, w.tmp);
 }
 
-static void forward_worker(const Problem& P, const FwdPlan& F, int64_t* next, int32_t* error) {
+static void forward_worker(const Problem& P, const FwdPlan& F, ItemQueue* items, int32_t* error) {
   Buf w;
   if (!buf_alloc(w, P, F.mmax)) {
     __atomic_store_n(error, 1, __ATOMIC_RELAXED);
@@ -1072,9 +1072,9 @@ static void forward_worker(const Problem& P, const FwdPlan& F, int64_t* next, in
     buf_free(w);
     return;
   }
-  for (;;) {
-    const int64_t k = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-    if (k >= F.n_items) break;
+  for (const int me = queue_join(*items);;) {
+    const int64_t k = queue_take(*items, me);
+    if (k < 0) break;
     fwd_item(P, F, F.items[k], w);
   }
   if (P.stream_out) stream_fence();  // the output's non-temporal stores, before the call returns
@@ -1447,31 +1447,30 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
   }
 }
 
-static void delta_worker(const Problem& P, int64_t* next, int32_t* error) {
+static void delta_worker(const Problem& P, ItemQueue* items, int32_t* error) {
   Buf w;
   if (!buf_alloc(w, P, imax(P.lay.bq, P.G * P.lay.bq))) {
     __atomic_store_n(error, 1, __ATOMIC_RELAXED);
     return;
   }
-  const int64_t n_items = P.B * P.Hkv * P.lay.nqb;
-  for (;;) {
-    const int64_t k = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-    if (k >= n_items) break;
+  for (const int me = queue_join(*items);;) {
+    const int64_t k = queue_take(*items, me);
+    if (k < 0) break;
     const int64_t i = k % P.lay.nqb, bh = k / P.lay.nqb;
     delta_item(P, bh / P.Hkv, bh % P.Hkv, i, w);
   }
   buf_free(w);
 }
 
-static void backward_worker(const Problem& P, const BwdPlan& Bp, int64_t* next, int32_t* error) {
+static void backward_worker(const Problem& P, const BwdPlan& Bp, ItemQueue* items, int32_t* error) {
   Buf w;
   if (!buf_alloc(w, P, imax(P.lay.bq, P.G * P.lay.bq))) {
     __atomic_store_n(error, 1, __ATOMIC_RELAXED);
     return;
   }
-  for (;;) {
-    const int64_t k = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-    if (k >= Bp.n_items) break;
+  for (const int me = queue_join(*items);;) {
+    const int64_t k = queue_take(*items, me);
+    if (k < 0) break;
     if (!bwd_item(P, Bp, Bp.items[k], w)) {
       __atomic_store_n(error, 1, __ATOMIC_RELAXED);
       break;

@@ -258,19 +258,23 @@ constexpr int64_t INLINE_BELOW = int64_t(1) << 23;
 // (placement.h): a few system calls per thread, against a 2x loss when Linux stacks them.
 constexpr int64_t PIN_FROM = int64_t(1) << 26;
 
-// Run `work` on every thread of torch's pool (one parallel region); each call pulls items until
-// none is left, so a thread that gets less CPU simply takes fewer items.
+// Run `work(&queue)` on every thread of torch's pool (one parallel region), the queue holding
+// items 0 … n_items − 1; each call takes items until none is left, so a thread that gets less
+// CPU simply takes fewer.
 template <class Work>
-void run_parallel(int64_t macs, const Work& work) {
+void run_parallel(int64_t macs, int64_t n_items, const Work& work) {
   const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  ItemQueue queue;
   if (nt == 1 || macs < INLINE_BELOW) {
-    work();
+    queue_init(queue, n_items, 1);
+    work(&queue);
     return;
   }
+  queue_init(queue, n_items, nt);
   Placement place(macs >= PIN_FROM ? nt : 0);
   at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     Placement::Pin pin(place);
-    for (int64_t t = begin; t < end; ++t) work();
+    for (int64_t t = begin; t < end; ++t) work(&queue);
   });
 }
 
@@ -613,10 +617,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
     S.plan.kbadv = S.kbadv.data();
     S.plan.kmaxv = S.kmaxv.data();
   }
-  int64_t next = 0;
   int32_t error = 0;
-  run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]),
-               [&] { K.forward(P, S.plan, &next, &error); });
+  run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]), S.plan.n_items,
+               [&](ItemQueue* items) { K.forward(P, S.plan, items, &error); });
   if (error) throw std::bad_alloc();
   return {out, m, l, lse};
 }
@@ -672,17 +675,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor peaked = at::empty({P.B * P.Hkv * P.lay.nqb}, opts.dtype(at::kByte));
   P.peaked = peaked.data_ptr<uint8_t>();
   {
-    int64_t next = 0;
     int32_t error = 0;
-    run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]), [&] { K.delta(P, &next, &error); });
+    run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]), P.B * P.Hkv * P.lay.nqb,
+                 [&](ItemQueue* items) { K.delta(P, items, &error); });
     if (error) throw std::bad_alloc();
   }
   BwdState S;
   plan_backward(P, S);
-  int64_t next = 0;
   int32_t error = 0;
-  run_parallel(5 * call_macs(P, P.lay.col_ptr[P.lay.nkb]) / 2,
-               [&] { K.backward(P, S.plan, &next, &error); });
+  run_parallel(5 * call_macs(P, P.lay.col_ptr[P.lay.nkb]) / 2, S.plan.n_items,
+               [&](ItemQueue* items) { K.backward(P, S.plan, items, &error); });
   if (error) throw std::bad_alloc();
   return {dq, dk, dv};
 }

@@ -163,13 +163,83 @@ struct BwdPlan {
   double* store;              // slots × B × Hkv × (G · bq · Dp)
 };
 
-// The compute kernels of one ISA. Each worker pulls items from *next until none is left;
-// *error is set (and the worker stops) if it could not allocate its buffers.
+// Items 0 … n − 1 of one call, shared by its workers. Each worker starts on a contiguous range of
+// its own (consecutive items share key tiles, so a worker that walks them in order packs a tile
+// once, where two workers taking items in turn each packed every tile) and, when its range runs
+// dry, takes the back half of the fullest range left, so that a worker that gets less CPU holds
+// back only the item it is running. Workers past QUEUE_RANGES take single items from the others.
+constexpr int QUEUE_RANGES = 64;
+struct ItemQueue {
+  int64_t lo[QUEUE_RANGES], hi[QUEUE_RANGES];  // range r: items lo … hi − 1, under lock[r]
+  int32_t lock[QUEUE_RANGES];
+  int32_t ranges, joined;
+};
+
+static inline void queue_init(ItemQueue& q, int64_t n, int64_t workers) {
+  q.ranges = (int32_t)(workers < 1 ? 1 : workers > QUEUE_RANGES ? QUEUE_RANGES : workers);
+  q.joined = 0;
+  for (int r = 0; r < q.ranges; ++r) {
+    q.lo[r] = n * r / q.ranges;
+    q.hi[r] = n * (r + 1) / q.ranges;
+    q.lock[r] = 0;
+  }
+}
+
+// a worker's number, once per worker at its start
+static inline int queue_join(ItemQueue& q) { return __atomic_fetch_add(&q.joined, 1, __ATOMIC_RELAXED); }
+
+static inline void range_lock(int32_t* l) {
+  while (__atomic_exchange_n(l, 1, __ATOMIC_ACQUIRE))
+    while (__atomic_load_n(l, __ATOMIC_RELAXED)) {
+    }
+}
+static inline void range_unlock(int32_t* l) { __atomic_store_n(l, 0, __ATOMIC_RELEASE); }
+
+// The next item for worker `me`, or −1 when none is left.
+static inline int64_t queue_take(ItemQueue& q, int me) {
+  const int own = me < q.ranges ? me : -1;
+  for (;;) {
+    if (own >= 0) {
+      range_lock(&q.lock[own]);
+      const int64_t k = q.lo[own];
+      const bool got = k < q.hi[own];
+      if (got) __atomic_store_n(&q.lo[own], k + 1, __ATOMIC_RELAXED);
+      range_unlock(&q.lock[own]);
+      if (got) return k;
+    }
+    int v = -1;
+    int64_t most = 0;
+    for (int r = 0; r < q.ranges; ++r) {
+      const int64_t left = __atomic_load_n(&q.hi[r], __ATOMIC_RELAXED) - __atomic_load_n(&q.lo[r], __ATOMIC_RELAXED);
+      if (left > most) {
+        most = left;
+        v = r;
+      }
+    }
+    if (v < 0) return -1;
+    range_lock(&q.lock[v]);
+    const int64_t lo = q.lo[v], hi = q.hi[v];
+    const int64_t mid = own >= 0 ? lo + (hi - lo) / 2 : hi - 1;  // the back half, or one item
+    if (lo < hi) __atomic_store_n(&q.hi[v], mid, __ATOMIC_RELAXED);
+    range_unlock(&q.lock[v]);
+    if (lo >= hi) continue;  // emptied meanwhile: look again
+    if (own >= 0) {  // items mid + 1 … hi − 1 become this worker's range (empty until now)
+      range_lock(&q.lock[own]);
+      __atomic_store_n(&q.lo[own], mid + 1, __ATOMIC_RELAXED);
+      __atomic_store_n(&q.hi[own], hi, __ATOMIC_RELAXED);
+      range_unlock(&q.lock[own]);
+    }
+    return mid;
+  }
+}
+
+// The compute kernels of one ISA. Each worker joins the call's queue and takes items until none
+// is left; *error is set (and the worker stops) if it could not allocate its buffers.
 struct Kernels {
   const char* name;
-  void (*forward)(const Problem&, const FwdPlan&, int64_t* next, int32_t* error);
-  void (*backward)(const Problem&, const BwdPlan&, int64_t* next, int32_t* error);
-  void (*delta)(const Problem&, int64_t* next, int32_t* error);  // items: (b, hkv, query tile)
+  void (*forward)(const Problem&, const FwdPlan&, ItemQueue* items, int32_t* error);
+  void (*backward)(const Problem&, const BwdPlan&, ItemQueue* items, int32_t* error);
+  void (*delta)(const Problem&, ItemQueue* items, int32_t* error);  // items: (b, hkv, query tile)
   int64_t (*fwd_share_elems)(const Problem&);  // FwdPlan.kparts' size in uint32 (0: none)
 };
 
