@@ -382,6 +382,56 @@ static inline void chain3_block(int64_t N, int64_t K, const uint16_t* a, const u
   }
 }
 
+// chain3_block for two blocks of 16 rows at once (a: the first block's parts, the second's
+// follow) against all 64 key columns: the same products in the same order, so the same bits,
+// with the C tiles as 2 × 2 (rows × 16 columns: C0 and C1 the first block's, C2 and C3 the
+// second's) over one half of the columns at a time. Each loaded tile serves two products (18
+// loads per 24 products, against 27 in chain3_block): in isolation (256 × 64 × 64, one core)
+// 20–25% less time per product. With ldc, one chain over all kk stored at C (ld ldc floats);
+// without, chain kk of the first block at C + kk·1024 and of the second at C2 + kk·1024.
+static inline void chain3_pair(int64_t K, const uint16_t* a, const uint32_t* bpack, float* C,
+                               int64_t ldc, float* C2 = nullptr) {
+  const int64_t nk = (K + TILE_K - 1) / TILE_K;
+  const uint16_t* a1 = a + nk * 3 * 512;
+  static constexpr int A_PART[6] = {2, 1, 1, 0, 0, 0}, B_PART[6] = {0, 1, 0, 2, 1, 0};
+  for (int64_t half = 0; half < 2; ++half) {
+    for (int64_t kk = 0; kk < nk; ++kk) {
+      if (kk == 0 || !ldc) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      const uint32_t* b = bpack + (kk * 4 + 2 * half) * 3 * 256;
+      for (int p = 0; p < 6; ++p) {
+        if (p == 0 || A_PART[p] != A_PART[p - 1]) {
+          _tile_loadd(4, a + (kk * 3 + A_PART[p]) * 512, 64);
+          _tile_loadd(5, a1 + (kk * 3 + A_PART[p]) * 512, 64);
+        }
+        _tile_loadd(6, b + B_PART[p] * 256, 64);
+        _tile_loadd(7, b + (3 + B_PART[p]) * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      if (!ldc) {
+        _tile_stored(0, C + kk * 1024 + 32 * half, 256);
+        _tile_stored(1, C + kk * 1024 + 32 * half + 16, 256);
+        _tile_stored(2, C2 + kk * 1024 + 32 * half, 256);
+        _tile_stored(3, C2 + kk * 1024 + 32 * half + 16, 256);
+      }
+    }
+    if (ldc) {
+      float* c = C + 32 * half;
+      _tile_stored(0, c, ldc * 4);
+      _tile_stored(1, c + 16, ldc * 4);
+      _tile_stored(2, c + 16 * ldc, ldc * 4);
+      _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+    }
+  }
+}
+
 // the chains of 16 floats (row r, columns x … x+15) widened to double and added in order
 static inline void chains_f64(const float* cs, int64_t nk, int64_t r, int64_t x, __m512d& lo, __m512d& hi) {
   for (int64_t kk = 0; kk < nk; ++kk) {
@@ -402,7 +452,10 @@ static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
   alignas(64) float cs[TILE_K_MAX / TILE_K * 16 * 64];
   const __m512d sc = _mm512_set1_pd(scale);
   tiles_on();
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+  int64_t m0 = 0;
+  if (folded && N == 64)
+    for (; m0 + 32 <= M; m0 += 32) chain3_pair(K, apack + m0 / 16 * nk * 3 * 512, bpack, C + m0 * ldc, ldc);
+  for (; m0 < M; m0 += 16) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
     if (folded) {
       if (rows == 16) {
@@ -434,17 +487,22 @@ static void tile_chain3(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
 static void tile_chain3_f64(int64_t M, int64_t K, const uint16_t* apack, const uint32_t* bpack,
                             double* C, int64_t ldc) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K;
-  alignas(64) float cs[TILE_K_MAX / TILE_K * 16 * 64];
+  alignas(64) float cs[2][TILE_K_MAX / TILE_K * 16 * 64];
   tiles_on();
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    chain3_block(64, K, apack + m0 / 16 * nk * 3 * 512, bpack, 0, cs);
-    for (int64_t r = 0; r < (M - m0 < 16 ? M - m0 : 16); ++r)
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t blocks = M - m0 >= 32 ? 2 : 1;
+    if (blocks == 2)
+      chain3_pair(K, apack + m0 / 16 * nk * 3 * 512, bpack, cs[0], 0, cs[1]);
+    else
+      chain3_block(64, K, apack + m0 / 16 * nk * 3 * 512, bpack, 0, cs[0]);
+    for (int64_t r = 0; r < (M - m0 < 16 * blocks ? M - m0 : 16 * blocks); ++r)
       for (int64_t x = 0; x < 64; x += 16) {
         __m512d lo, hi;
-        chains_f64(cs, nk, r, x, lo, hi);
+        chains_f64(cs[r / 16], nk, r % 16, x, lo, hi);
         _mm512_storeu_pd(C + (m0 + r) * ldc + x, lo);
         _mm512_storeu_pd(C + (m0 + r) * ldc + x + 8, hi);
       }
+    m0 += 16 * blocks;
   }
   _tile_release();
 }
