@@ -133,7 +133,7 @@ def qkv_kwargs(pattern: str) -> dict:
 
 def make_triton(pattern: str, backend: object = "triton") -> Callable:
     """The triton backend on a pattern; the inputs are random normals, so the call promises
-    `finite_inputs` (without it a masked request is not the Triton kernel's to run)."""
+    `finite_inputs` (the kernel's guard for NaN/inf in masked slots then stays off)."""
     kw = qkv_kwargs(pattern)
     return lambda q, k, v: qkv.attention(q, k, v, backend=backend, finite_inputs=True, **kw)
 

@@ -61,9 +61,9 @@ def attention(
         finite_inputs: the caller's promise that k and v hold no NaN or inf. qkv never reads
             values to decide (no host sync, nothing that stops `torch.compile`), so without
             the promise `auto` keeps masked requests (causal included) on kernels that keep
-            garbage in masked slots out of the result themselves (tiled, the compiled CPU
-            kernel), and passes over torch's SDPA and the Triton kernel, whose `0 · NaN` would
-            let it through. `qkv.nn` and the transformers integration make the promise for the
+            garbage in masked slots out of the result themselves (the compiled CPU kernel,
+            triton, tiled), and passes over torch's SDPA, whose `0 · NaN` would let it
+            through. `qkv.nn` and the transformers integration make the promise for the
             projections they compute.
 
     Returns:

@@ -54,8 +54,27 @@ def refusal(plan: AttentionPlan) -> str | None:
     return None
 
 
+def _tiles_skipped_elsewhere(plan: AttentionPlan) -> bool:
+    """Is a compiled kernel there to skip the empty tiles of this request? On the CPU qkv's own
+    kernel (or, without a compiler, tiled) is; on CUDA only triton, where it can run."""
+    if plan.device.type != "cuda":
+        return True
+    from .triton import TritonBackend  # imported here: triton's module never imports this one
+
+    return TritonBackend().why_not(plan, None, None, None) is None  # type: ignore[arg-type]
+
+
 def auto_passes_over(plan: AttentionPlan) -> str | None:
-    """Why `auto` passes sdpa over a request it could run (None: it doesn't)."""
+    """Why `auto` passes sdpa over a request it could run (None: it doesn't). Structured masks
+    and causal with Nq < Nk go to a kernel that skips the empty tiles where there is one; on
+    CUDA without triton they stay with SDPA, faster than the tiled loop."""
+    if plan.dtype == torch.float32 and plan.wants_grad:
+        return (
+            "float32 gradients: torch SDPA's backward is not within qkv's error bound on "
+            "every input; tiled's backward is"
+        )
+    if not _tiles_skipped_elsewhere(plan):
+        return None
     if plan.mask_rule is not None:
         return (
             "a structured qkv.masks.Mask would reach torch SDPA only as a dense Nq×Nk mask; "
@@ -65,11 +84,6 @@ def auto_passes_over(plan: AttentionPlan) -> str | None:
         return (
             "causal with Nq < Nk is bottom-right aligned, which torch SDPA could only take as "
             "a dense Nq×Nk mask; tiled skips the tiles above the diagonal instead"
-        )
-    if plan.dtype == torch.float32 and plan.wants_grad:
-        return (
-            "float32 gradients: torch SDPA's backward is not within qkv's error bound on "
-            "every input; tiled's backward is"
         )
     return None
 

@@ -24,6 +24,12 @@ What the kernels do, in one place:
 - score modifiers from `qkv.scores`: `alibi`, `softcap` and `relative_bias` (its table gets a
   gradient, by atomic adds), alone or composed;
 - dropout with `qkv.dropout`'s counter-based hash, bit for bit the reference's keep-mask;
+- NaN/±inf in a masked-out key or value slot (a padded or unused KV-cache slot, a key behind
+  the causal diagonal or a −inf bias column, a dropped weight) never reaches a row, with no
+  `finite_inputs` promise and no host sync: the forward's P V skips zero weights in every
+  tile that can hold one by structure when its V tile holds a non-finite value, and the
+  backward reads k/v with non-finite values zeroed. A row that does attend to one gets
+  NaN/±inf in that entry, as from the reference; gradients flow through the finite part;
 - every offset in int64.
 
 On CPU tensors it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, set before
@@ -174,12 +180,6 @@ class TritonBackend:
             why = _host().unsupported(plan.score_mod)
             if why is not None:
                 return why
-        if plan.has_masking and not plan.finite_inputs:
-            return (
-                "some pairs are masked and k/v may hold NaN/inf there, which would reach the "
-                "output through 0 · NaN in the kernel's matmul; pass finite_inputs=True if they "
-                "cannot"
-            )
         return None
 
     def auto_skip(self, plan: AttentionPlan) -> str | None:

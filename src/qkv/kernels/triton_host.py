@@ -3,6 +3,14 @@ tile lists and mask bank they walk (`build_layout`, from the plan's `qkv.layout.
 launch configurations, the launches (`Call`) and the `autograd.Function` that ties forward and
 backward together. Imported on the backend's first use, so `import qkv` stays light; the
 kernels themselves (`triton_kernels.py`) import Triton.
+
+Without the caller's `finite_inputs` promise, NaN/±inf in masked-out k/v slots is kept out of
+every row here and in the kernels, never by reading values on the host: the forward launch sets
+the kernel's GUARD_PART (PARTIAL tiles) and GUARD_FULL (FULL tiles too, under a float mask or
+dropout) so that P V skips zero weights where V holds a non-finite value; the backward hands the
+kernels k and v with NaN/±inf zeroed (copies, as tiled's backward) and dO zeroed where the
+output is non-finite, so Δ and dP stay finite and the gradient flows through the output's finite
+part, as in the reference's autograd. With the promise, both cost nothing.
 """
 
 from __future__ import annotations
@@ -377,6 +385,10 @@ class Call:
             layout = self.fwd_layout
             bm, bn = layout.block_m, layout.block_n
             common, meta = self._common()
+            # Without the finite_inputs promise, every tile where a weight can be exactly 0
+            # by structure (PARTIAL tiles; all tiles under a float mask or dropout) runs the
+            # guarded P V: NaN/inf in a masked slot of V never reaches a row.
+            guard = not plan.finite_inputs
             grid = (triton_cdiv(Nq, bm), B * H)
             K._attn_fwd[grid](
                 q, k, v, out, m, l,
@@ -386,6 +398,8 @@ class Call:
                 *self._tail(),
                 H, plan.groups, Nq, Nk, Nk - Nq, plan.scale,
                 BLOCK_M=bm, BLOCK_N=bn, HAS_BANK=layout.bank is not None,
+                GUARD_FULL=guard and (self.bias is not None or self.drop is not None),
+                GUARD_PART=guard,
                 num_warps=self.config.fwd_warps, num_stages=self.config.stages,
                 **meta,
             )  # fmt: skip
@@ -404,6 +418,8 @@ class Call:
         dlse: torch.Tensor | None,
         want_table_grad: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(dq, dk, dv, dtable). Without the finite_inputs promise, k/v are read with NaN/±inf
+        zeroed and dO with the entries of a non-finite output zeroed (see below)."""
         plan, K = self.plan, _kernels()
         B, H, Hkv, Nq, Nk = plan.batch, plan.heads, plan.kv_heads, plan.q_len, plan.kv_len
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -414,6 +430,16 @@ class Call:
             return dq, dk, dv, dtable
         if dout is None:
             dout = torch.zeros_like(out)
+        if not plan.finite_inputs:
+            # NaN/inf in k or v (masked slots, or values some row attends to): the backward
+            # reads k and v with them zeroed (a copy, as tiled's backward; it never reads values
+            # to decide), so a weight or dS of 0 never multiplies one (0 · NaN). As in the
+            # reference's autograd, the gradient flows through the finite part of the output
+            # only: dO is zeroed where out is NaN/inf, which also keeps Δ finite there.
+            k, v = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (k, v))
+            finite = torch.isfinite(out)
+            dout = torch.where(finite, dout, 0.0)
+            out = torch.where(finite, out, 0.0)
         # Δ_i = rowsum(dO ∘ O) − dlse_i  (∂lse_i/∂S_ij = P_ij), in float64; Δ and lse reach
         # the kernels as two-floats (hi + lo)
         delta = row_dot(dout, out, torch.float64)

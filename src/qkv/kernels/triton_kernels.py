@@ -33,6 +33,20 @@ bit per pair read from a *bank*: the host evaluates the rule once on the partial
 stores them as int8 `(n_partial_tiles, BLOCK_M, BLOCK_N)`; a tile's code is its index in the
 bank (−1: no bank tile, only arithmetic). EMPTY tiles are not in the lists, so never loaded.
 
+NaN/±inf in a masked-out key or value never reaches a row (no `finite_inputs` promise needed).
+A masked score is replaced by −inf (never added to), so K is harmless in the forward; keys past
+Nk are never loaded. For V, `0 · NaN` in P V is the danger: the forward runs a guarded P V
+(`_pv`) in every tile where a weight can be exactly 0 by structure — PARTIAL tiles, and all
+tiles under a float mask (a −inf column) or dropout — when the host sets GUARD_PART/GUARD_FULL
+(it does unless the caller promised finite k/v). The guard checks the loaded V tile; one that
+is finite runs the plain product, otherwise the finite part goes through the product and each
+NaN/±inf is added only where its weight is > 0: a row that attends to a non-finite value gets
+NaN/±inf in that entry, as the reference has it (`qkv.numerics.weighted_values`). (FULL tiles
+without a bias or dropout hold no structural zero: a kept weight that underflows to 0 there
+still meets its value, and a ±inf added to acc meets later rescales as it is.) The backward
+kernels need no guard: the host hands them k and v with NaN/±inf zeroed and dO zeroed where
+the output is non-finite (`triton_host.Call.backward`).
+
 Every offset is computed in int64 (program ids and tile indices are cast before they multiply a
 stride), so B·H·N·D beyond 2³¹ does not overflow.
 """
@@ -100,6 +114,33 @@ def _keep(bh, rows, cols, DROP):
     row = _mix32(head ^ (rows.to(tl.uint32) * golden))
     col = _mix32((cols.to(tl.uint32) * golden) ^ s1)
     return _mix32(row[:, None] ^ col[None, :]).to(tl.int64) >= thresh
+
+
+@triton.jit
+def _pv(acc, p, v, PREC: tl.constexpr, UPCAST: tl.constexpr, GUARD: tl.constexpr):
+    """`acc + P V` for one tile. With GUARD, a weight of exactly 0 (a masked pair, a −inf bias,
+    a dropped weight) never lets a NaN or ±inf of V through, as `qkv.numerics.weighted_values`
+    has it for the reference: a tile whose V holds none (checked here, on the loaded tile)
+    runs the plain product; otherwise the finite part goes through the product and each
+    non-finite entry is added where its weight is > 0 (any NaN, or +inf and −inf together:
+    NaN; else ±inf; added to acc, so what earlier tiles left there stays)."""
+    if GUARD:
+        vf = v.to(tl.float32)
+        bad = (vf.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000  # exponent all ones
+        if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+            acc = _mma(p.to(v.dtype), tl.where(bad, tl.zeros_like(v), v), acc, PREC, UPCAST)
+            seen = (p > 0).to(tl.float16)  # 0/1 counts: exact in fp16 products, fp32 sums
+            n_nan = tl.dot(seen, (vf != vf).to(tl.float16))
+            n_pos = tl.dot(seen, (vf == float("inf")).to(tl.float16))
+            n_neg = tl.dot(seen, (vf == float("-inf")).to(tl.float16))
+            acc += tl.where(n_pos > 0, float("inf"), 0.0)
+            acc += tl.where(n_neg > 0, float("-inf"), 0.0)  # inf + −inf = NaN
+            acc += tl.where(n_nan > 0, float("nan"), 0.0)
+        else:
+            acc = _mma(p.to(v.dtype), v, acc, PREC, UPCAST)
+    else:
+        acc = _mma(p.to(v.dtype), v, acc, PREC, UPCAST)
+    return acc
 
 
 @triton.jit
@@ -180,9 +221,9 @@ def _fwd_step(
     DV: tl.constexpr, DV_PAD: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BANK: tl.constexpr, HAS_BIAS: tl.constexpr, ALIBI: tl.constexpr,
     REL_POS: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, GUARD: tl.constexpr,
 ):  # fmt: skip
-    """One key tile j of the online softmax for one query tile."""
+    """One key tile j of the online softmax for one query tile (GUARD: see `_pv`)."""
     cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
     cols64 = cols.to(tl.int64)
     dk = tl.arange(0, D_PAD)
@@ -211,8 +252,7 @@ def _fwd_step(
         mask=(cols[:, None] < Nk) & (dv[None, :] < DV),
         other=0.0,
     )
-    acc = acc * alpha[:, None]
-    acc = _mma(p.to(v.dtype), v, acc, PREC, UPCAST)
+    acc = _pv(acc * alpha[:, None], p, v, PREC, UPCAST, GUARD)
     return acc, m_new, l_i
 
 
@@ -228,7 +268,10 @@ def _attn_fwd(
     DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_BANK: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALIBI: tl.constexpr, REL_POS: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    GUARD_FULL: tl.constexpr, GUARD_PART: tl.constexpr,
 ):  # fmt: skip
+    """out, m, l of one query tile. GUARD_FULL / GUARD_PART: whether FULL / PARTIAL tiles run
+    the guarded P V (`_pv`); the host sets them."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -256,7 +299,7 @@ def _attn_fwd(
             acc, m_i, l_i, q, j, -1, rows, b, h, bh, Kb, Vb, skn, skd, svn, svd,
             Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M,
             cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, D, D_PAD, DV, DV_PAD, False, CAUSAL,
-            HAS_BANK, HAS_BIAS, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
+            HAS_BANK, HAS_BIAS, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST, GUARD_FULL,
         )  # fmt: skip
     n_part = tl.load(PART_NUM + lrow)
     for t in range(n_part):
@@ -266,7 +309,7 @@ def _attn_fwd(
             acc, m_i, l_i, q, j, code, rows, b, h, bh, Kb, Vb, skn, skd, svn, svd,
             Nq, Nk, OFF, sm_scale, BIAS, sbb, sbh, sbm, sbn, SLOPES, REL, srh, REL_M,
             cap, BANK, DROP, keep_scale, BLOCK_M, BLOCK_N, D, D_PAD, DV, DV_PAD, True, CAUSAL,
-            HAS_BANK, HAS_BIAS, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST,
+            HAS_BANK, HAS_BIAS, ALIBI, REL_POS, SOFTCAP, DROPOUT, PREC, UPCAST, GUARD_PART,
         )  # fmt: skip
     empty = l_i == 0.0  # nothing allowed in this row: out 0 (and lse −inf, from l = 0)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
