@@ -34,7 +34,16 @@ predicates (`causal_mask_function`, `bidirectional_mask_function`, `sliding_wind
 | bidirectional + padding                       | bool `(B, 1, 1, Nk)` padding-only mask      |
 | static cache (key slots ahead of the queries) | dense bool `(B, 1, Nq, Nk)`                 |
 | generate()'s pre-build for a static cache     | dense bool `(B, 1, Nq, Nk)`                 |
-| anything else (packed, chunked, custom)       | dense bool `(B, 1, Nq, Nk)` (fallback)      |
+| packed sequences (position_ids restart) [*]   | `masks.varlen(cu, cu, causal=True)` [& window] |
+| anything else (chunked, blocks, custom)       | dense bool `(B, 1, Nq, Nk)` (fallback)      |
+
+[*] What `DataCollatorWithFlattening` makes: one row, sequences end to end, `position_ids`
+    restarting at 0, no padding mask. transformers looks for it only without a cache (pass
+    `use_cache=False`) and then hands over `and_masks(remap_positions_for_packed_sequence(p,
+    position_ids), packed_sequence_mask_function(ids))`: `p` on positions, within a sequence.
+    Positions rise by 1 inside a sequence (that is where transformers cuts them), so `p` means
+    the same on token indices there, and the sequences' lengths (read from `ids`, a host sync)
+    become qkv's varlen mask; rows packed differently get the dense mask.
 
 A padding-only mask is an O(B·Nk) tensor rather than a `Mask`, so that `qkv.attention`'s
 `auto` can run it on torch SDPA; every other structured pattern goes to the block-sparse `tiled`
@@ -44,6 +53,18 @@ cache puts the queries (`q_offset − kv_offset = Nk − Nq`, also when a slidin
 dropped old keys). Static caches break that (their key slots run ahead of the queries) and are
 given a dense tensor. Each recognised pattern is also checked against `mask_function` itself on
 a few query rows, and a disagreement falls back to the dense mask with a warning.
+
+Under `torch.compile(model, fullgraph=True)` the integration traces without a graph break
+(prefill, padded or not; a StaticCache decode step; packed batches; training) and never reads a
+tensor's values there: the spot check is replaced by one `register()` runs on transformers'
+predicates, a padding mask is not tested for being all real, and a padded causal layer gets
+`_CausalKeys` (run as `mask=valid (B, 1, 1, Nk), causal=True`) instead of a `key_mask`. Only the
+module-level predicates (causal, bidirectional) are recognised while tracing: the others are
+closures built inside the traced forward, whose cells dynamo cannot read, so sliding windows
+and packed batches get transformers' dense mask there, as "sdpa" does. A structured `Mask` a
+compiled graph uses is built once and kept (`_Shelf`): a Mask built while tracing reaches the
+kernel uninitialised. `output_attentions=True` still breaks the graph (qkv's `reference`
+backend reads /proc/meminfo).
 
 Who reads the mask. A model's forward hands make_mask's result to its attention layers, that is
 to `attention_forward`, which takes a `Mask`. One caller is different: for a compileable
@@ -88,7 +109,6 @@ loading). Tested against "eager" on tiny random configs (tests/integrations/test
 
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 import warnings
@@ -119,6 +139,12 @@ __all__ = [
     "verify",
 ]
 
+# Looked up once, not per call (and never while torch.compile traces: an import there breaks
+# the graph). `register()` fills them; the functions below fall back to a lookup if it did not.
+_MU: ModuleType | None = None  # transformers.masking_utils
+_COLLECTOR: list = []  # [transformers' output collector, or None when it has none]
+_TRUSTED: bool | None = None  # transformers' predicates checked against qkv's masks (register)
+
 
 def _import(module: str) -> ModuleType:
     try:
@@ -130,18 +156,34 @@ def _import(module: str) -> ModuleType:
         ) from e
 
 
+def _masking_utils() -> ModuleType:
+    global _MU
+    if _MU is None:
+        _MU = _import("transformers.masking_utils")
+    return _MU
+
+
 def register(name: str = NAME) -> str:
     """Register qkv with transformers under `name` (default "qkv"): both the attention function
     and the mask function. Idempotent. Returns the name to pass as `attn_implementation`."""
+    global _TRUSTED
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     transformers = _import("transformers")
-    mu = _import("transformers.masking_utils")
+    mu = _masking_utils()
     for interface, function in (
         (transformers.AttentionInterface, attention_forward),
         (mu.AttentionMaskInterface, make_mask),
     ):
         interface.register(name, function)
+    _TRUSTED = _predicates_agree(mu)
+    if not _TRUSTED:
+        _warn_once(
+            "predicates",
+            f"qkv: transformers {transformers.__version__}'s mask predicates do not mean what "
+            "qkv's translation expects; every mask is built dense",
+        )
+    _collector()
     if _output_collector() is None:
         _warn_once(
             "collector",
@@ -171,16 +213,17 @@ def make_mask(
     use_vmap: bool = False,
     device: torch.device | str = "cpu",
     **kwargs,
-) -> Mask | torch.Tensor | None:
+) -> Mask | torch.Tensor | _CausalKeys | None:
     """transformers' mask function for qkv (its `sdpa_mask` signature; see the module docstring).
 
     Returns None (no mask: the attention layer's `is_causal` decides, as for SDPA), a
     `qkv.masks.Mask`, a bool `(B, 1, 1, Nk)` padding-only mask, or, for patterns it cannot
     express that way, a dense bool `(B, 1, Nq, Nk)` mask. Two callers get a tensor instead of a
     `Mask`: generate()'s pre-build for static caches (a dense bool mask), and a model family
-    that never calls qkv (its "eager" float mask, with a warning).
+    that never calls qkv (its "eager" float mask, with a warning). Under torch.compile, where
+    nothing reads tensor values, a causal mask over a padded batch is a `_CausalKeys`.
     """
-    mu = _import("transformers.masking_utils")
+    mu = _MU if _MU is not None else _masking_utils()
     call = _MaskCall(
         batch_size=batch_size,
         q_length=q_length,
@@ -193,24 +236,35 @@ def make_mask(
         device=device,
     )
     config = kwargs.get("config")
-    if config is not None and routes_attention(config) is False:
+    if config is not None and _routes(type(config)) is False:
         # The model's own attention code reads this mask (qkv never runs there): give it the
         # mask it reads under "eager", and say so.
-        family = type(config).__name__.removesuffix("Config")
-        _warn_once(
-            f"family:{family}",
-            f"qkv: {family} models compute attention in their own code and never call "
-            "transformers' attention interface, so attn_implementation='qkv' does not run qkv "
-            "in them (their masks are built as for 'eager'); check a model with "
-            "qkv.integrations.hf.verify(model)",
-        )
-        return mu.eager_mask(**vars(call), **kwargs)
+        if not torch.compiler.is_compiling():
+            family = type(config).__name__.removesuffix("Config")
+            _warn_once(
+                f"family:{family}",
+                f"qkv: {family} models compute attention in their own code and never call "
+                "transformers' attention interface, so attn_implementation='qkv' does not run "
+                "qkv in them (their masks are built as for 'eager'); check a model with "
+                "qkv.integrations.hf.verify(model)",
+            )
+        return mu.eager_mask(**call.arguments(), **kwargs)
     result = _translate(call, mu, allow_is_causal_skip, allow_is_bidirectional_skip)
     if isinstance(result, Mask) and _prebuilt_for_generate():
         # generate() hands this mask back to the model as its `attention_mask` input, which
         # transformers reads as a tensor: the same mask, dense.
         return call.dense(mu)
     return result
+
+
+def _routes(config_class: type) -> bool | None:
+    """`routes_attention` of a config class, called (and its answer kept as a constant) once
+    per class while torch.compile traces, rather than traced: it reads the family's source."""
+    return routes_attention(config_class)
+
+
+# What `torch.compiler.assume_constant_result` does, without importing torch._dynamo here.
+_routes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -227,11 +281,35 @@ class _MaskCall:
     use_vmap: bool
     device: torch.device | str
 
+    def arguments(self) -> dict[str, object]:
+        return dict(
+            batch_size=self.batch_size,
+            q_length=self.q_length,
+            kv_length=self.kv_length,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+            mask_function=self.mask_function,
+            attention_mask=self.attention_mask,
+            use_vmap=self.use_vmap,
+            device=self.device,
+        )
+
     def dense(self, mu: ModuleType) -> torch.Tensor:
         """transformers' own construction, materialised: bool `(B, 1, Nq, Nk)`."""
         return mu.sdpa_mask(
-            **vars(self), allow_is_causal_skip=False, allow_is_bidirectional_skip=False
+            **self.arguments(), allow_is_causal_skip=False, allow_is_bidirectional_skip=False
         )
+
+
+@dataclass(frozen=True)
+class _CausalKeys:
+    """Causal attention (bottom-right) over the real keys `valid`, bool `(B, 1, 1, Nk)`: what
+    make_mask returns for a causal layer over a padded batch under torch.compile, where the
+    padding cannot become a `masks.key_mask` (that reads the mask's values) and is not checked
+    for being all True (an all-True key mask changes nothing). `attention_forward` runs it as
+    `mask=valid, causal=True`: O(B·Nk), no N² tensor."""
+
+    valid: torch.Tensor
 
 
 # generate()'s hook that pre-builds masks (the generic one in masking_utils, and the methods of
@@ -264,25 +342,47 @@ def _prebuilt_for_generate() -> bool:
 
 def _translate(
     call: _MaskCall, mu: ModuleType, allow_is_causal_skip: bool, allow_is_bidirectional_skip: bool
-) -> Mask | torch.Tensor | None:
-    """transformers' description in qkv terms (the table of the module docstring)."""
+) -> Mask | torch.Tensor | _CausalKeys | None:
+    """transformers' description in qkv terms (the table of the module docstring).
+
+    Every decision is on metadata (sizes, offsets that are ints, which predicate); tensor values
+    are read only outside torch.compile: the spot check against the predicate, whether a
+    padding mask has padding, and the sequence boundaries of a packed batch."""
     nq, nk, mask_function = call.q_length, call.kv_length, call.mask_function
     attention_mask, device = call.attention_mask, call.device
+    compiling = torch.compiler.is_compiling()
+    if compiling and not _TRUSTED:
+        return call.dense(mu)  # the predicates were not checked (register() does)
     if attention_mask is not None and attention_mask.dim() != 2:
         return call.dense(mu)  # not the 2-D padding mask this function is documented to get
+    if isinstance(call.q_offset, torch.Tensor) or isinstance(call.kv_offset, torch.Tensor):
+        return call.dense(mu)  # a static cache (a tensor q_offset is its mark): see the docstring
     # transformers' query i has position q_off + i, key j position kv_off + j; qkv's query row
     # i has position i + Nk − Nq and key j position j. The two agree on q − kv (all that the
     # patterns below look at) exactly when the queries are the last Nq keys.
     q_off, kv_off = int(call.q_offset), int(call.kv_offset)
-    if isinstance(call.q_offset, torch.Tensor) or q_off - kv_off != nk - nq:
-        return call.dense(mu)  # a static cache (a tensor q_offset is its mark): see the docstring
-    interval = _interval(mask_function, mu)
+    if q_off - kv_off != nk - nq:
+        return call.dense(mu)
+    if compiling:  # a closure built while tracing cannot be read: transformers' own mask
+        packed, interval = None, _plain_interval(mask_function, mu)
+    else:
+        packed = _packed(mask_function, mu)
+        interval = _interval(mask_function if packed is None else packed[0], mu)
     if interval is None:
-        return call.dense(mu)  # a predicate we do not know (packed sequences, chunks, custom)
+        return call.dense(mu)  # a predicate we do not know (chunks, blocks, custom)
     structure, kind = _structure(interval, nq, nk)
     if kind == "dense":
         return call.dense(mu)
-    if not _agrees(mask_function, structure, q_off, kv_off, nq, nk, device):
+    if packed is not None:
+        # Packed sequences: where one sequence ends is in the position ids (tensor values).
+        if compiling or attention_mask is not None:
+            return call.dense(mu)
+        cu = _sequences(packed[1], packed[2], nq, nk, q_off, kv_off)
+        if cu is None:
+            return call.dense(mu)
+        structure = _within(cu, structure, kind, causal=interval[0] == 0)
+        kind = "packed"
+    if not compiling and not _agrees(mask_function, structure, q_off, kv_off, nq, nk, device):
         _warn_once(
             repr(interval),
             f"qkv: transformers' mask function {getattr(mask_function, '__qualname__', '?')} "
@@ -290,7 +390,7 @@ def _translate(
         )
         return call.dense(mu)
 
-    valid = _padding(attention_mask, kv_off, nk)
+    valid = _padding(attention_mask, kv_off, nk, compiling)
     if valid is None:
         causal_shape = kind == "causal" or (kind == "full" and nq <= 1)
         if causal_shape and allow_is_causal_skip:
@@ -302,18 +402,23 @@ def _translate(
         return structure
     if kind == "full":
         return valid[:, None, None, :]  # padding only: (B, 1, 1, Nk), and SDPA can run it
+    if compiling:  # no key_mask: it reads the mask's values (and traced kinds are plain)
+        return _CausalKeys(valid[:, None, None, :]) if kind == "causal" else call.dense(mu)
     return structure & masks.key_mask(valid)
 
 
-def _padding(attention_mask: torch.Tensor | None, kv_off: int, kv_length: int):
-    """The real-key mask `(B, Nk)` of this call's keys, or None when every key is real."""
+def _padding(attention_mask: torch.Tensor | None, kv_off: int, kv_length: int, compiling: bool):
+    """The real-key mask `(B, Nk)` of this call's keys, or None when there is no padding
+    (outside torch.compile, where it is read: an all-True mask is None too)."""
     if attention_mask is None:
         return None
-    valid = attention_mask.to(torch.bool)
+    valid = attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
     need = kv_off + kv_length
     if valid.shape[-1] < need:  # keys beyond the 2-D mask count as padding, as in transformers
         valid = torch.nn.functional.pad(valid, (0, need - valid.shape[-1]), value=False)
     valid = valid[:, kv_off:need]
+    if compiling:
+        return valid
     return None if bool(valid.all()) else valid.contiguous()
 
 
@@ -323,19 +428,37 @@ def _closure(fn: Callable) -> dict[str, object]:
     return {n: c.cell_contents for n, c in zip(names, cells, strict=False)}
 
 
-def _interval(fn: Callable, mu: ModuleType) -> tuple[int | None, int | None] | None:
-    """transformers' predicate as an interval `lo ≤ q_pos − kv_pos ≤ hi` (None = unbounded), or
-    None when it is not one of the relative-position predicates we know."""
+def _is(fn: object, mu: ModuleType, qualname: str) -> bool:
+    """Is `fn` transformers' masking_utils function (or closure) of that name?"""
+    return (
+        getattr(fn, "__module__", None) == mu.__name__
+        and getattr(fn, "__qualname__", None) == qualname
+    )
+
+
+def _plain_interval(fn: Callable, mu: ModuleType) -> tuple[int | None, int | None] | None:
+    """`_interval` of transformers' module-level predicates (causal, bidirectional), recognised
+    by identity: all that torch.compile can see of a predicate. The others are closures
+    (`and_masks(...)`, `sliding_window_overlay(w)`) that transformers builds on every forward,
+    inside the traced code, and dynamo cannot read the closure of a function built while it
+    traces (`__closure__` raises there)."""
     if fn is mu.causal_mask_function:
         return (0, None)
     if fn is mu.bidirectional_mask_function:
         return (None, None)
-    if getattr(fn, "__module__", None) != mu.__name__:
-        return None
+    return None
+
+
+def _interval(fn: Callable, mu: ModuleType) -> tuple[int | None, int | None] | None:
+    """transformers' predicate as an interval `lo ≤ q_pos − kv_pos ≤ hi` (None = unbounded), or
+    None when it is not one of the relative-position predicates we know."""
+    plain = _plain_interval(fn, mu)
+    if plain is not None or getattr(fn, "__module__", None) != mu.__name__:
+        return plain
     name, cells = getattr(fn, "__qualname__", ""), _closure(fn)
     if name == "and_masks.<locals>.and_mask":
         parts = [_interval(f, mu) for f in cells.get("mask_functions", ())]  # type: ignore[union-attr]
-        if any(p is None for p in parts):
+        if not parts or any(p is None for p in parts):
             return None
         los = [p[0] for p in parts if p[0] is not None]  # type: ignore[index]
         his = [p[1] for p in parts if p[1] is not None]  # type: ignore[index]
@@ -348,6 +471,63 @@ def _interval(fn: Callable, mu: ModuleType) -> tuple[int | None, int | None] | N
     if name == "sliding_window_bidirectional_overlay.<locals>.inner_mask":
         return (-window, window)  # |q − kv| ≤ w
     return None
+
+
+# transformers' packed-sequence predicate (create_*_mask, when position_ids restart inside a
+# row and there is neither a padding mask nor a cache):
+#     and_masks(remap_positions_for_packed_sequence(inner, position_ids),
+#               packed_sequence_mask_function(sequence_ids))
+_REMAP = "remap_positions_for_packed_sequence.<locals>.inner_mask"
+_SAME_SEQUENCE = "packed_sequence_mask_function.<locals>.inner_mask"
+
+
+def _packed(fn: Callable, mu: ModuleType) -> tuple[Callable, torch.Tensor, torch.Tensor] | None:
+    """`(inner predicate, position_ids, sequence ids)` of the packed-sequence predicate, or None
+    when `fn` is not it."""
+    if not _is(fn, mu, "and_masks.<locals>.and_mask"):
+        return None
+    parts = tuple(_closure(fn).get("mask_functions", ()))  # type: ignore[arg-type]
+    if len(parts) != 2 or not (_is(parts[0], mu, _REMAP) and _is(parts[1], mu, _SAME_SEQUENCE)):
+        return None
+    remap, same = _closure(parts[0]), _closure(parts[1])
+    inner, positions = remap.get("mask_function"), remap.get("position_ids")
+    ids = same.get("packed_sequence_mask")
+    if not callable(inner) or not isinstance(positions, torch.Tensor):
+        return None
+    if not isinstance(ids, torch.Tensor):
+        return None
+    return inner, positions, ids
+
+
+def _sequences(
+    positions: torch.Tensor, ids: torch.Tensor, nq: int, nk: int, q_off: int, kv_off: int
+) -> torch.Tensor | None:
+    """`cu_seqlens` (int64, from 0 to N) of a packed batch, or None where qkv cannot express it
+    as one set of sequences for every row. Reads the ids (a host sync, outside torch.compile).
+
+    Within one sequence the position ids rise by exactly 1 per token (transformers starts a new
+    sequence wherever they do not), so a predicate on `q_pos − kv_pos` means the same on token
+    indices there: what lets the inner predicate become a mask on indices, cut at sequence
+    boundaries."""
+    if (q_off, kv_off) != (0, 0) or nq != nk or ids.dim() != 2 or ids.shape[-1] != nk:
+        return None
+    if positions.shape != ids.shape:
+        return None
+    row, pos = ids[0], positions[0]
+    if ids.shape[0] > 1 and not (bool((ids == row).all()) and bool((positions == pos).all())):
+        return None  # rows packed differently: one qkv mask serves every row
+    same = row[1:] == row[:-1]
+    if not bool((row[1:] >= row[:-1]).all()) or not bool((pos[1:] - pos[:-1] == 1)[same].all()):
+        return None  # not how transformers builds the ids from the positions
+    counts = torch.unique_consecutive(row, return_counts=True)[1]
+    return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.long).cpu()
+
+
+def _within(cu: torch.Tensor, structure: Mask | None, kind: str, causal: bool) -> Mask:
+    """The interval's mask restricted to each packed sequence (`masks.varlen`, whose segments
+    let the kernels cut their tiles at the sequence boundaries)."""
+    packed = masks.varlen(cu, cu, causal=causal)
+    return packed if kind != "window" else packed & structure  # type: ignore[operator]
 
 
 def _structure(
@@ -367,13 +547,46 @@ def _structure(
     if left is None and right is None:
         return None, "full"
     if left is None and right == 0:
-        return masks.causal(), "causal"
+        return _shelved("causal"), "causal"
     # A dropped bound is as good as the widest one that still excludes nothing on this shape.
     left = nk - 1 if left is None else left
     right = max(nq - 1, 0) if right is None else right
     if left < 0 or right < 0:
         return None, "dense"
-    return masks.sliding_window(left, right), "window"
+    return _shelved("window", left, right), "window"
+
+
+class _Shelf:
+    """The masks that depend only on numbers (causal, a window), one object per kind and size,
+    built once and kept (attributes named by `_shelve`).
+
+    A compiled graph names a `Mask` by a handle and looks the object up when it runs, so a Mask
+    must outlive the graph and must not be built while torch.compile traces (an object created
+    during tracing reaches the kernel uninitialised). `_shelve` runs as a plain call at trace
+    time (its name is a constant of the graph), and the trace reads the built object off the
+    shelf, as it reads any module global."""
+
+
+_SHELF = _Shelf()
+_SHELF_LIMIT = 1024  # distinct windows kept; past that the shelf starts over
+
+
+def _shelve(kind: str, left: int = 0, right: int = 0) -> str:
+    name = "causal" if kind == "causal" else f"window_{left}_{right}"
+    shelf = vars(_SHELF)
+    if name not in shelf:
+        if len(shelf) >= _SHELF_LIMIT:
+            shelf.clear()  # a compiled graph guards on the object it read: it recompiles
+        shelf[name] = masks.causal() if kind == "causal" else masks.sliding_window(left, right)
+    return name
+
+
+_shelve._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _shelved(kind: str, left: int = 0, right: int = 0) -> Mask:
+    """`masks.causal()` or `masks.sliding_window(left, right)`, built once (see `_Shelf`)."""
+    return getattr(_SHELF, _shelve(kind, left, right))
 
 
 def _agrees(
@@ -400,6 +613,28 @@ def _agrees(
     return torch.equal(theirs, ours.to(device))
 
 
+def _predicates_agree(mu: ModuleType) -> bool:
+    """`_agrees` for each predicate qkv translates, on a few shapes: what stands in for the
+    per-call spot check under torch.compile (which cannot read the values it compares)."""
+    predicates = (
+        mu.causal_mask_function,
+        mu.bidirectional_mask_function,
+        mu.sliding_window_causal_mask_function(3),
+        mu.sliding_window_bidirectional_mask_function(2),
+    )
+    # (Nq, Nk, q_offset, kv_offset): no cache, decode, chunked prefill, a sliding-window cache
+    shapes = ((7, 7, 0, 0), (1, 9, 8, 0), (3, 9, 6, 0), (2, 4, 11, 9))
+    for fn in predicates:
+        interval = _interval(fn, mu)
+        if interval is None:
+            return False
+        for nq, nk, q_off, kv_off in shapes:
+            structure, kind = _structure(interval, nq, nk)
+            if kind != "dense" and not _agrees(fn, structure, q_off, kv_off, nq, nk, "cpu"):
+                return False
+    return True
+
+
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -416,7 +651,7 @@ def attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: Mask | torch.Tensor | None,
+    attention_mask: Mask | torch.Tensor | _CausalKeys | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
@@ -449,6 +684,8 @@ def attention_forward(
     Returns:
         `(out (B, Sq, H, Dv) contiguous, weights (B, H, Sq, Sk) or None)`; weights are computed
         (by qkv's `reference` backend) only when the model runs with `output_attentions=True`.
+        Contiguous as SDPA's: callers may `.view` it; the copy is the one their `.reshape`
+        would otherwise make, and none at all for a single query row (decoding).
     """
     note_call(module)
     cache = kwargs.get("cache")
@@ -457,7 +694,7 @@ def attention_forward(
             "qkv's transformers backend does not run paged (continuous-batching) caches; use "
             "generate() with the default cache"
         )
-    n_q, n_k = query.shape[2], key.shape[2]
+    n_k = key.shape[2]
     mask = attention_mask
     causal = False
     if mask is None:
@@ -466,7 +703,9 @@ def attention_forward(
             # No mask means the queries are the last keys (see make_mask), so qkv's
             # bottom-right band is the layer's window; right = 0 also makes it causal.
             left = sliding_window - 1
-            mask, causal = masks.sliding_window(left, 0 if causal else left), False
+            mask, causal = _shelved("window", left, 0 if causal else left), False
+    elif isinstance(mask, _CausalKeys):
+        mask, causal = mask.valid, True
     elif isinstance(mask, torch.Tensor):
         if mask.dim() == 4 and mask.shape[-1] > n_k:
             mask = mask[..., :n_k]  # a static cache's mask may cover more slots than keys
@@ -477,7 +716,7 @@ def attention_forward(
             f"qkv.integrations.hf.register() so that transformers builds masks with qkv"
         )
     if position_bias is not None:
-        mask = _with_bias(mask, position_bias, n_q, n_k)
+        mask = _with_bias(mask, position_bias, query.shape[2], n_k)
 
     want_weights = _wants_weights(module, kwargs)
     result = qkv.attention(
@@ -495,7 +734,9 @@ def attention_forward(
         # the model's own projections: a padded or unused position holds a finite value
         finite_inputs=True,
     )
-    parts = list(result) if isinstance(result, tuple) else [result]
+    if s_aux is None and not want_weights:
+        return result.transpose(1, 2).contiguous(), None
+    parts = list(result)
     out = parts.pop(0)
     lse = parts.pop(0) if s_aux is not None else None
     weights = parts.pop(0) if want_weights else None
@@ -516,21 +757,38 @@ def _wants_weights(module: torch.nn.Module, kwargs: dict) -> bool:
     record what the attention function returns; it decides once per model forward (from the
     call, else the config) and keeps the answer in its output collector. Some models pass the
     flag on to the attention function as well, GPT-2, OPT and SigLIP do not, so the collector
-    is the answer; the flag and the config are read only outside a model's forward."""
-    collector = _output_collector()
-    collecting = None if collector is None else collector.get()
-    if collecting is not None:  # inside a model forward: what transformers will record
-        return any(key.endswith("attentions") for key in collecting)
+    is the answer; the flag and the config are read only outside a model's forward.
+
+    Under torch.compile the collector is a plain attribute when the model's forward (which
+    sets it) is traced too; a trace that starts inside the model (a compiled layer) cannot read
+    it (a context variable) and goes by the flag and the config."""
+    collector = _COLLECTOR[0] if _COLLECTOR else _collector()
+    if collector is not None and (
+        getattr(collector, "compiling", False) or not torch.compiler.is_compiling()
+    ):
+        collecting = collector.get()
+        if collecting is not None:  # inside a model forward: what transformers will record
+            return bool(collecting) and any(key.endswith("attentions") for key in collecting)
     flag = kwargs.get("output_attentions")
     if flag is None:
         flag = getattr(getattr(module, "config", None), "output_attentions", False)
     return bool(flag)
 
 
-@functools.cache
+def _collector():
+    """transformers' output collector, looked up once (see `_output_collector`)."""
+    if not _COLLECTOR:
+        _COLLECTOR.append(_find_collector())
+    return _COLLECTOR[0]
+
+
 def _output_collector():
     """transformers' per-forward record of the outputs asked for (a context variable whose
     value maps "attentions", "hidden_states", ... to lists), or None if it is not found."""
+    return _collector()
+
+
+def _find_collector():
     try:
         from transformers.utils import output_capturing
     except ImportError:
