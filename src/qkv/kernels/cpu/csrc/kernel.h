@@ -35,6 +35,14 @@
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static const float NEG_INF = -__builtin_inff();
+
+// Whether a row of one tile's scores (BK of them) holds a NaN: a NaN in q or k, which the
+// row maxima pass over (max(NaN, x) is x), asked only where the row would otherwise be empty.
+static inline bool has_nan(const float* row) {
+  bool nan = false;
+  for (int64_t j = 0; j < BK; ++j) nan = nan || row[j] != row[j];
+  return nan;
+}
 static const uint32_t GOLDEN = 0x61C88647u;
 
 #ifndef QKV_TILE_BF16
@@ -964,9 +972,14 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
         mnew = tmax > mold ? tmax : mold;
       }
       if (mnew == NEG_INF) {
-        put_p(R, 0, zero, zero);
-        put_p(R, 2, zero, zero);
-        continue;
+        // nothing above −inf: an empty row so far, unless an allowed score is NaN (a NaN in
+        // q or k, which the maxima above pass over): that row is NaN, as in the formula
+        if (!has_nan(srow)) {
+          put_p(R, 0, zero, zero);
+          put_p(R, 2, zero, zero);
+          continue;
+        }
+        mnew = __builtin_nanf("");
       }
       const V16 mv = v_set(mnew);
       V16 sum = zero, ev[4];
@@ -1040,7 +1053,8 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     float mstar = NEG_INF;
     for (int64_t s = 0; s < nsplit; ++s) {
       const float ms = F.part_m[(first + s) * mm + R];
-      mstar = ms > mstar ? ms : mstar;
+      mstar = ms > mstar || ms != ms ? ms : mstar;  // a NaN row max (see above) is kept
+      if (mstar != mstar) break;
     }
     double lsum = 0.0;
     double* acc = w.acc + R * Dvp;
