@@ -1,9 +1,15 @@
 """Fixtures shared by the whole suite (helpers live in helpers.py)."""
 
+import os
+
 import pytest
 from hypothesis import settings
 
 from .helpers import BACKENDS
+
+# `auto` reads qkv's default crossovers, not the calibration `qkv tune` left on this machine, so
+# that what the tests expect of dispatch does not depend on who tuned the machine before.
+os.environ["QKV_CROSSOVERS"] = "default"
 
 # Hypothesis budgets: CI runs a fixed, repeatable set; --fuzz-long a large fresh one.
 settings.register_profile("qkv-ci", max_examples=40, derandomize=True)
@@ -28,6 +34,16 @@ def pytest_configure(config):
         settings.load_profile("qkv-fuzz-long")
     else:
         settings.load_profile("qkv-ci")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch():
+    """auto's remembered decisions do not outlive a test (tests patch what backends see)."""
+    from qkv.dispatch import forget
+
+    forget()
+    yield
+    forget()
 
 
 @pytest.fixture(params=list(BACKENDS), ids=list(BACKENDS))

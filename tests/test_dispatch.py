@@ -23,7 +23,8 @@ def test_plain_request_goes_to_sdpa(qkv3):
     assert set(d.reasons) == {"cpu", "triton", "tiled", "reference"}
     assert "sdpa is preferred" in d.reasons["tiled"]
     if cpu_kernel_or("") == "cpu":  # a problem this small: SDPA keeps it (measured faster)
-        assert "torch SDPA is faster below" in d.reasons["cpu"]
+        assert "torch SDPA was measured faster" in d.reasons["cpu"]
+        assert "crossovers: default" in d.reasons["cpu"] and d.basis.startswith("default")
 
 
 def test_causal_with_nq_lt_nk_skips_sdpa_and_nq_gt_nk_takes_it(qkv3):
@@ -36,15 +37,29 @@ def test_causal_with_nq_lt_nk_skips_sdpa_and_nq_gt_nk_takes_it(qkv3):
     assert "bottom-right" in sdpa.auto_passes_over(plan)
     for a, b in ((q, k), (k, q)):
         d = qkv.dispatch(b, a, a, causal=True, finite_inputs=True)
-        assert d.name == ("sdpa" if b is k else cpu_kernel_or("tiled"))
+        if b is k:  # Nq > Nk: SDPA may take it (the measured crossover decides against cpu)
+            assert (
+                sdpa.auto_passes_over(make_plan(b, a, a, causal=True, finite_inputs=True)) is None
+            )
+            assert d.name in ("sdpa", cpu_kernel_or("sdpa"))
+        else:
+            assert d.name == cpu_kernel_or("tiled")
         got = qkv.attention(b, a, a, causal=True, backend="sdpa", finite_inputs=True)
         ref = qkv.attention(b, a, a, causal=True, backend="reference")
         torch.testing.assert_close(got, ref)
 
 
-def test_small_requests_sdpa_would_not_get_stay_on_the_compiled_kernel():
-    # Below its size threshold the compiled kernel hands SDPA what `auto` would give SDPA, and
-    # nothing else: float32 gradients go past SDPA, and tiled is slower than the kernel.
+def test_requests_sdpa_would_not_get_stay_on_the_compiled_kernel(monkeypatch):
+    # Where the table says SDPA is faster, the compiled kernel hands SDPA what `auto` would
+    # give SDPA, and nothing else: float32 gradients go past SDPA (tiled is slower than the
+    # kernel).
+    from qkv.kernels.cpu import crossover
+
+    classes = [f"dense/{t}/{p}/D64" for t in ("float32", "bfloat16") for p in ("fwd", "fwd+bwd")]
+    slower = {c: ((1.0, 0.5),) for c in classes}
+    table = crossover.Table("any", "default", "a test", slower)
+    monkeypatch.setattr(crossover, "table", lambda isa: table)
+    crossover.clear()
     q, k, v = make_qkv(B=1, H=2, Nq=16, D=8, requires_grad=True)
     assert qkv.dispatch(q, k, v).name == cpu_kernel_or("tiled")
     with torch.no_grad():
@@ -128,34 +143,33 @@ def test_auto_result_equals_chosen_backend(qkv3):
 
 
 @pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "portable"])
-def test_without_avx512_plain_forwards_go_to_sdpa(isa, monkeypatch):
-    # Where the kernel's forward was measured slower than SDPA's (no AVX-512: avx2 or portable
-    # path; AMX in float16, which has no tile path while SDPA's own products use the tiles), auto
-    # hands SDPA the plain forward requests it would take, and with AMX float16 gradients too;
-    # float32 and bfloat16 gradients, decoding and structured masks stay on the kernel, and with
-    # AMX float32 and bfloat16 forwards.
+def test_each_path_follows_its_measured_crossovers(isa, monkeypatch):
+    # On requests SDPA can run exactly, auto takes the winner of the path's table (the
+    # defaults here: conftest sets QKV_CROSSOVERS=default); the others stay on the kernel
+    # whatever the table says: float32 gradients, structured masks, causal with Nq < Nk.
     if cpu_kernel_or("") != "cpu":
         pytest.skip("the compiled CPU kernel is not available here")
     from qkv.kernels import cpu_backend
+    from qkv.kernels.cpu import crossover
 
     monkeypatch.setattr(cpu_backend, "kernel_status", lambda: (isa, None))
-    fast = isa in ("avx512", "amx")
-    q, k, v = make_qkv(B=1, H=2, Nq=256, D=16)
-    d = qkv.dispatch(q, k, v)
-    assert d.name == ("cpu" if fast else "sdpa")
-    if not fast:
-        assert f"its {isa} path" in d.reasons["cpu"]
-    assert qkv.dispatch(q, k, v, causal=True, finite_inputs=True).name == d.name
-    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
-    assert qkv.dispatch(qb, kb, vb).name == ("cpu" if fast else "sdpa")  # bf16
-    qh, kh, vh = (t.half() for t in (q, k, v))
-    assert qkv.dispatch(qh, kh, vh).name == ("cpu" if isa == "avx512" else "sdpa")  # fp16
-    qb, kb, vb = (t.requires_grad_() for t in (qb, kb, vb))
-    assert qkv.dispatch(qb, kb, vb).name == "cpu"  # bf16 gradients
-    qh, kh, vh = (t.detach().half().requires_grad_() for t in (qb, kb, vb))
-    assert qkv.dispatch(qh, kh, vh).name == ("sdpa" if isa == "amx" else "cpu")  # fp16 gradients
-    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-    assert qkv.dispatch(qf, kf, vf).name == "cpu"  # float32 gradients never go to SDPA
-    qd, kd, vd = make_qkv(B=1, H=2, Nq=1, Nk=65536, D=16)
-    assert qkv.dispatch(qd, kd, vd).name == "cpu"  # decoding
+    table = crossover.default_table(isa)
+    assert table is not None
+    x = make_qkv(B=1, H=2, Nq=256, D=16)
+    dec = make_qkv(B=1, H=2, Nq=1, Nk=4096, D=16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for grad in (False, True):
+            for (q, k, v), causal in ((x, False), (x, True), (dec, False)):
+                q, k, v = (t.detach().to(dtype).requires_grad_(grad) for t in (q, k, v))
+                d = qkv.dispatch(q, k, v, causal=causal, finite_inputs=True)
+                plan = make_plan(q, k, v, causal=causal, finite_inputs=True)
+                if grad and dtype == torch.float32:
+                    assert d.name == "cpu"  # float32 gradients never go to SDPA
+                    continue
+                # a class the tune does not measure (decoding with gradients): the kernel
+                want = table.winner(crossover.class_of(plan), crossover.work_of(plan)) or "cpu"
+                assert d.name == want, (dtype, grad, causal, plan.q_len)
+                assert d.basis is not None and d.basis.startswith("default")
+    q, k, v = x
     assert qkv.dispatch(q, k, v, mask=qkv.masks.sliding_window(8)).name == "cpu"
+    assert qkv.dispatch(q[:, :, :100], k, v, causal=True, finite_inputs=True).name == "cpu"

@@ -6,7 +6,9 @@
 - `qkv lab NAME`: one of the chapter's claims measured (`rnn`, `scale`, `routing`);
 - `qkv demo`: all of them, written to a folder with a report;
 - `qkv tokens --image WxH`: how many tokens an image costs (`qkv.vision.report`);
-- `qkv build`: compile the CPU attention kernel now (otherwise it is compiled at first use).
+- `qkv build`: compile the CPU attention kernel now (otherwise it is compiled at first use),
+  then `qkv tune`;
+- `qkv tune`: measure where the kernel beats torch SDPA on this machine (what `auto` reads).
 
 Each subcommand is one entry of `COMMANDS`: a help line, a function that adds its arguments and
 a function that runs it. Bad input ends with a one-line message on stderr and a non-zero exit
@@ -228,6 +230,7 @@ def _demo(args: argparse.Namespace) -> None:
 def _build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rebuild, also after a failed build")
     p.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+    p.add_argument("--no-tune", action="store_true", help="skip `qkv tune` after the build")
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -245,6 +248,46 @@ def _build(args: argparse.Namespace) -> None:
     print(f"CPU attention kernel: {build.build_dir() / (build.NAME + '.so')}")
     print(f"instruction sets on this CPU: {have}")
     print(f"runs: {chosen} ({isa.ENV} forces one)" if why is None else f"cannot run: {why}")
+    if why is None and not args.no_tune:
+        _tune(argparse.Namespace(quick=False, show=False, no_progress=False))
+
+
+# --------------------------------------------------------------------------- tune
+
+
+def _tune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="a few sizes, a few seconds (a smoke run)")
+    p.add_argument("--show", action="store_true", help="print the table in use, measure nothing")
+    p.add_argument("--no-progress", action="store_true", help="no line per measured point")
+
+
+def _tune(args: argparse.Namespace) -> None:
+    from . import tune
+    from .kernels.cpu import crossover
+    from .kernels.cpu_backend import kernel_status
+
+    isa, why = kernel_status()
+    if isa is None:
+        raise _Refused(f"nothing to tune: {why}")
+    if not args.show:
+        if (why_busy := tune.busy()) is not None:
+            print(
+                f"qkv tune: the machine is busy ({why_busy}): crossovers measured now may be "
+                "off; run it again when it is quiet",
+                file=sys.stderr,
+            )
+        say = None if args.no_progress else lambda line: print(line, file=sys.stderr)
+        table = tune.measure(quick=args.quick, progress=say)
+        try:
+            print(f"crossovers stored in {tune.save(table)}")
+        except OSError as e:
+            print(f"crossovers not stored ({e}); `auto` keeps its defaults", file=sys.stderr)
+    print(f"auto's crossovers for the {isa} path: {crossover.basis(isa)}")
+    print("  class: work (multiply-adds) : SDPA's time ÷ the kernel's, at each measured size")
+    table = crossover.table(isa)
+    for cls, points in sorted(({} if table is None else table.points).items()):
+        shown = " ".join(f"{w:.2g}:{r:.2f}" for w, r in points)
+        print(f"  {cls:<30} {shown}")
 
 
 # --------------------------------------------------------------------------- the command
@@ -287,6 +330,7 @@ COMMANDS: dict[str, Command] = {
     "build": Command(
         "compile the CPU attention kernel now (else at first use)", _build_args, _build
     ),
+    "tune": Command("measure where the CPU kernel beats torch SDPA here", _tune_args, _tune),
 }
 
 

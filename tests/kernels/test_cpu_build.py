@@ -22,7 +22,7 @@ OPS, _ = require_kernel()
 
 
 def test_qkv_build_reports_the_library_and_the_paths(capsys):
-    assert main(["build"]) == 0
+    assert main(["build", "--no-tune"]) == 0
     out = capsys.readouterr().out
     assert str(build.build_dir()) in out and "qkv_cpu.so" in out
     assert "avx512" in out and "avx2" in out and "portable yes" in out

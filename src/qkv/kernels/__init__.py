@@ -12,12 +12,23 @@ import Triton, and nothing here builds or loads the compiled CPU kernel: that ha
 is first considered for a CPU request (`qkv build` does it ahead of time).
 """
 
+import os
+
 from .base import Backend, Result
+from .cpu import crossover, isa
 from .cpu_backend import CpuBackend
 from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
 from .tiled import TiledBackend
 from .triton import TritonBackend
+
+
+def dispatch_state() -> tuple:
+    """What, besides a request, the backends' choices depend on and may change in a process:
+    the compiled kernel's forced path (`QKV_CPU_ISA`) and the generation of its crossover
+    tables (`cpu.crossover.clear()` starts a new one)."""
+    return os.environ.get(isa.ENV, ""), crossover.generation()
+
 
 BACKENDS: dict[str, Backend] = {
     "cpu": CpuBackend(),
@@ -36,4 +47,5 @@ __all__ = [
     "SdpaBackend",
     "TiledBackend",
     "TritonBackend",
+    "dispatch_state",
 ]

@@ -32,41 +32,17 @@ on the CPU, and a kernel that could not be built (no compiler: see `qkv build`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..plan import AttentionPlan
-from . import sdpa
+from . import cpu, sdpa
 from .base import Result
+from .cpu import crossover
 
 # fp16/bf16/fp32 inputs; everything accumulates in float32/float64 inside
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Below these score elements per head (Nq·Nk), torch SDPA beat the kernel on requests it can
-# run (fixed cost of a call against SDPA's ~20 µs), measured by `python -m benchmarks.run cpu`
-# (its small-size table), 2 cores: float32 from about 200×200 (the backward's crossover; the
-# forward's is ~64×64), 16-bit from about 32×32.
-SDPA_FASTER_BELOW = {torch.float32: 200 * 200, torch.bfloat16: 32 * 32, torch.float16: 32 * 32}
-# Without AVX-512 (the kernel's avx2 and portable paths) torch SDPA's forward is the faster one
-# on plain dense and causal requests: `python -m benchmarks.run cpu` on an AMD EPYC (Zen 3,
-# AVX2), 2 cores, measured the kernel at 0.81–0.87× SDPA in three runs (fp32, N = 4096; bf16
-# 0.99–1.03×) where AVX-512 (Zen 5) gave 1.65×; with 256-row tiles dense read 0.92× and causal
-# 1.03× (0.90–0.95× in the runs before: at the line, so it stays with SDPA); its decoding and
-# 16-bit forward + backward stay ahead (float32 gradients never go to SDPA). With AVX-512 the
-# kernel is ahead: 1.65× on Zen 5, and on Zen 4 (512-bit operations in two halves) 1.12× dense
-# and 1.25× causal in paired calls once the AVX-512 path took the AVX2 path's chains (it read
-# 0.96× before); with AMX (Intel Xeon) its float32 forward, scores on the tiles, is ahead too
-# (below; its float16 requests are SDPA_AHEAD_ISAS's). Decoding: Nq·G ≤ DECODE_ROWS.
-FORWARD_FAST_ISAS = ("avx512", "amx")
-# With the AMX tile unit (Intel Xeon, Sapphire Rapids and later: the kernel's amx path) torch
-# SDPA's 16-bit products run on the same tiles through oneDNN. `python -m benchmarks.run cpu` on
-# an Intel Xeon (family 6, model 167, 2 cores) measured the kernel's bf16 forward at 1.03–1.05×
-# SDPA dense and 1.00–1.06× causal in three runs (N = 4096; 1.06–1.07× in paired calls) once its
-# P·V took P in one bfloat16 part, its bf16 forward + backward at 1.15–1.28× / 1.15–1.33×, and
-# its float32 forward at 1.02–1.03× dense and 1.03–1.10× causal (docs/cpu.md, the machine
-# table's Intel column). float16 has no tile path there (AMX-FP16 is another CPU's), so on that
-# path SDPA keeps the plain float16 requests beyond decoding, with gradients too; bfloat16,
-# float32, decoding and structured masks stay on the kernel.
-SDPA_AHEAD_ISAS = ("amx",)
-DECODE_ROWS = 16
 
 
 # Query rows per tile, measured by pairs of calls (docs/cpu.md, the machine table's last column):
@@ -111,14 +87,23 @@ def _mods(plan: AttentionPlan) -> tuple[tuple[torch.Tensor | None, float, bool] 
 def kernel_status() -> tuple[str | None, str | None]:
     """`(isa, None)`: the compiled kernel is loaded (built on first use) and runs that
     instruction-set path; `(None, reason)` when it cannot run. torch.compile calls it while
-    tracing and keeps the answer as a constant of the graph (`QKV_CPU_ISA` is read then)."""
-    from . import cpu
-
+    tracing and keeps the answer as a constant of the graph (`QKV_CPU_ISA` is read then).
+    A path that runs is remembered per value of `QKV_CPU_ISA` (asked on every call)."""
+    wanted = os.environ.get(cpu.isa.ENV, "")
+    found = _RUNS.get(wanted)
+    if found is not None:
+        return found
     try:
         ops = cpu.load()
     except cpu.KernelUnavailable as err:
         return None, f"the compiled CPU kernel is unavailable: {err} (see `qkv build`)"
-    return cpu.isa.choose(ops)
+    status = cpu.isa.choose(ops)
+    if status[0] is not None:
+        _RUNS[wanted] = status
+    return status
+
+
+_RUNS: dict[str, tuple[str | None, str | None]] = {}  # QKV_CPU_ISA's value -> (path, None)
 
 
 # What `torch.compiler.assume_constant_result(kernel_status)` does, without importing
@@ -162,35 +147,28 @@ class CpuBackend:
         return kernel_status()[1]
 
     def auto_skip(self, plan: AttentionPlan) -> str | None:
-        """Why `auto` lets the next backend run a request this one could (None: it doesn't):
-        of the requests that `auto` would hand torch SDPA (not those SDPA refuses or `auto`
-        keeps from it, such as float32 gradients: the next backend would then be `tiled`,
-        slower than this kernel at every size), the tiny ones, without AVX-512 the
-        forward-only ones beyond decoding, and with AMX the float16 ones beyond decoding, are
-        faster there."""
+        """Why `auto` lets torch SDPA run a request this kernel could (None: it doesn't): only
+        requests that `auto` would hand SDPA (not those SDPA refuses or `auto` keeps from it,
+        such as float32 gradients: the next backend would then be `tiled`, slower than this
+        kernel at every size), and of those the ones where SDPA was measured faster on this
+        machine's table (`cpu.crossover`)."""
+        isa = self._decided_by_crossover(plan)
+        if isa is None:
+            return None
+        who, why = crossover.decide(plan, isa)
+        return None if who == "cpu" else why
+
+    def auto_basis(self, plan: AttentionPlan) -> str | None:
+        """Which crossover table decided between this kernel and SDPA (None: none did)."""
+        isa = self._decided_by_crossover(plan)
+        return None if isa is None else crossover.basis(isa)
+
+    @staticmethod
+    def _decided_by_crossover(plan: AttentionPlan) -> str | None:
+        """The kernel's path when the crossover table decides this request, else None."""
         if sdpa.refusal(plan) is not None or sdpa.auto_passes_over(plan) is not None:
             return None
-        limit = SDPA_FASTER_BELOW.get(plan.dtype, 0)
-        if plan.q_len * plan.kv_len < limit:
-            return (
-                f"torch SDPA is faster below {limit} scores per head (this request has "
-                f"{plan.q_len}×{plan.kv_len})"
-            )
-        isa = kernel_status()[0]
-        beyond_decoding = plan.q_len * plan.groups > DECODE_ROWS
-        if isa in SDPA_AHEAD_ISAS and beyond_decoding and plan.dtype == torch.float16:
-            return (
-                f"on this CPU the kernel runs its {isa} path, where torch SDPA is faster on a "
-                f"plain dense or causal float16 request (the kernel's tiles carry bfloat16 and "
-                f"float32; it is ahead there, in decoding and with structured masks)"
-            )
-        if isa not in FORWARD_FAST_ISAS and not plan.wants_grad and beyond_decoding:
-            return (
-                f"on this CPU the kernel runs its {isa} path, where torch SDPA's forward is "
-                f"faster on a plain dense or causal request (the kernel is ahead with AVX-512 "
-                f"and in decoding)"
-            )
-        return None
+        return kernel_status()[0]
 
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -214,7 +192,9 @@ class CpuBackend:
         seed = plan.dropout_seed if plan.dropout_p > 0 else None
         if seed is not None and not isinstance(seed, torch.Tensor):
             seed = torch.tensor(seed, dtype=torch.int64)
-        # Without a gradient, the op alone (Function.apply binds its arguments on every call).
+        # Without a gradient, the op alone (Function.apply binds its arguments on every call),
+        # and outside torch.compile its function itself (the dispatcher costs ~40 µs a call,
+        # a tenth of a decoding step at Nk = 1024).
         args = (
             q, k, v, plan.mask, seed, None if slopes is None else slopes.to(torch.float32),
             plan.scale, plan.causal, plan.dropout_p, softcap, alibi_after,
@@ -222,6 +202,8 @@ class CpuBackend:
         )  # fmt: skip
         if plan.wants_grad:
             out, lse, _, _ = cpu_op.CpuAttention.apply(*args, bq_bwd)
-        else:
+        elif torch.compiler.is_compiling():
             out, lse, _, _ = cpu_op.cpu_forward(*args)
+        else:
+            out, lse, _, _ = cpu_op.forward_impl(*args)
         return out, lse, None

@@ -63,7 +63,7 @@ def cache_root() -> Path:
     return Path(base) / "qkv"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -84,7 +84,7 @@ def _sources_hash() -> str:
 
 def build_dir() -> Path:
     """The folder of this (torch, Python, machine, CPU, sources) combination."""
-    cpu = hashlib.sha256(_cpu_model().encode()).hexdigest()[:8]
+    cpu = hashlib.sha256(cpu_model().encode()).hexdigest()[:8]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     tag = f"torch{torch.__version__}-{py}-{platform.machine()}-cpu{cpu}-src{_sources_hash()}"
     return cache_root() / "cpu-kernel" / tag.replace("+", "_")
