@@ -5,14 +5,14 @@ causal and dense; float32, bfloat16, float16; forward and forward+backward, floa
 excepted, which never go to SDPA), both backends are timed on a ladder of sizes, alternating
 call by call after a warm-up, and the ratio of their medians is the point. The points are stored
 beside the compiled kernel (`crossovers.json`) and read by `auto` from then on; `qkv.dispatch`
-names the table that decided. Runs in about a minute on 2 cores (`quick`: a few seconds, fewer
+names the table that decided. Runs in about four minutes on 2 cores (`quick`: a few seconds, fewer
 sizes and repeats, for tests).
 
 Shapes of the ladders (B = 1, `finite_inputs=True`, the kernel's current path), each at head
 dimension D = Dv = 64 and 128:
 
-- decode-mha: Nq = 1, H = Hkv = 8; decode-gqa: Nq = 1, H = 32 query heads on Hkv = 8; Nk from
-  64 to 16384;
+- decode-mha: H = Hkv = 8; decode-gqa: H = 32 query heads on Hkv = 8; each with Nq = 1 (q1)
+  and Nq = 8 (qN, several-query decoding); Nk from 64 to 16384;
 - causal, dense and masked (a bool padding mask on the last quarter of the keys): Nq = Nk = N,
   H = Hkv = 4, N from 4 to 2048 (forward) or 1024 (with the backward).
 """
@@ -42,13 +42,14 @@ PREFILL_N = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 GRAD_MAX_N = 1024
 QUICK_DECODE_NK, QUICK_PREFILL_N = (64, 1024), (16, 256)
 HEADS = {"decode-mha": (8, 8), "decode-gqa": (32, 8)}  # (H, Hkv); prefill: 4 on 4
+DECODE_QUERIES = {"q1": 1, "qN": 8}
 
 
 @dataclass(frozen=True)
 class Ladder:
     """One request class measured at several sizes."""
 
-    kind: str  # decode-mha, decode-gqa, causal, dense or masked
+    kind: str  # decode-{mha,gqa}-{q1,qN}, causal, dense or masked
     dtype: torch.dtype
     grad: bool  # forward + backward
     d: int  # head dimension of q, k and v
@@ -56,8 +57,8 @@ class Ladder:
 
     def inputs(self, n: int):
         g = torch.Generator().manual_seed(n)
-        h, hkv = HEADS.get(self.kind, (4, 4))
-        nq = 1 if self.kind.startswith("decode") else n
+        h, hkv = HEADS.get(self.kind[:10], (4, 4))
+        nq = DECODE_QUERIES[self.kind[11:]] if self.kind.startswith("decode") else n
         shapes = ((1, h, nq, self.d), (1, hkv, n, self.d), (1, hkv, n, self.d))
         return [
             torch.randn(s, generator=g).to(self.dtype).requires_grad_(self.grad) for s in shapes
@@ -119,8 +120,9 @@ def ladders(quick: bool = False) -> Iterator[Ladder]:
     grad_n = tuple(n for n in prefill_n if n <= GRAD_MAX_N)
     for dtype in DTYPES:
         for d in HEAD_DIMS:
-            for kind in HEADS:
-                yield Ladder(kind, dtype, False, d, decode_nk)
+            for heads in HEADS:
+                for queries in DECODE_QUERIES:
+                    yield Ladder(f"{heads}-{queries}", dtype, False, d, decode_nk)
             for kind in ("causal", "dense", "masked"):
                 yield Ladder(kind, dtype, False, d, prefill_n)
                 if dtype != torch.float32:

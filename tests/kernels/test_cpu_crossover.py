@@ -65,8 +65,10 @@ def test_tables_round_trip_through_json():
 
 def test_classes_of_requests():
     q, k, v = decode_request(64)
-    assert crossover.class_of(make_plan(q, k, v)) == "decode-gqa/float32/fwd/D128"
-    assert crossover.class_of(make_plan(q[:, :8], k, v)) == "decode-mha/float32/fwd/D128"
+    assert crossover.class_of(make_plan(q, k, v)) == "decode-gqa-q1/float32/fwd/D128"
+    assert crossover.class_of(make_plan(q[:, :8], k, v)) == "decode-mha-q1/float32/fwd/D128"
+    q4 = torch.randn(1, 32, 4, 128)
+    assert crossover.class_of(make_plan(q4, k, v)) == "decode-gqa-qN/float32/fwd/D128"
     x = torch.randn(1, 4, 32, 16, dtype=torch.bfloat16, requires_grad=True)
     assert crossover.class_of(make_plan(x, x, x, causal=True)) == "causal/bfloat16/fwd+bwd/D64"
     pad = torch.ones(1, 1, 1, 32, dtype=torch.bool)
@@ -94,12 +96,12 @@ def test_the_avx512_default_sends_grouped_decoding_to_the_kernel_from_a_thousand
 
 def test_auto_follows_a_calibration_and_says_so(calibration):
     q, k, v = decode_request(4096)
-    write(calibration, ISA, {"decode-gqa/float32/fwd/D128": [[1.0, 0.5]]})
+    write(calibration, ISA, {"decode-gqa-q1/float32/fwd/D128": [[1.0, 0.5]]})
     d = qkv.dispatch(q, k, v)
     assert d.name == "sdpa"
     assert "measured faster" in d.reasons["cpu"] and "calibrated" in d.reasons["cpu"]
     assert d.basis.startswith("calibrated") and "size crossovers: calibrated" in str(d)
-    write(calibration, ISA, {"decode-gqa/float32/fwd/D128": [[1.0, 2.0]]})
+    write(calibration, ISA, {"decode-gqa-q1/float32/fwd/D128": [[1.0, 2.0]]})
     crossover.clear()
     d = qkv.dispatch(q, k, v)
     assert d.name == "cpu" and d.basis.startswith("calibrated")
@@ -109,13 +111,13 @@ def test_the_default_decides_when_asked_or_when_the_calibration_is_foreign(
     calibration, monkeypatch
 ):
     q, k, v = decode_request(4096)
-    write(calibration, ISA, {"decode-gqa/float32/fwd/D128": [[1.0, 0.5]]})
+    write(calibration, ISA, {"decode-gqa-q1/float32/fwd/D128": [[1.0, 0.5]]})
     monkeypatch.setenv(crossover.ENV, "default")
     crossover.clear()  # read with the tables
     d = qkv.dispatch(q, k, v)
     assert d.name == "cpu" and d.basis.startswith("default")
     monkeypatch.delenv(crossover.ENV)
-    write(calibration, ISA, {"decode-gqa/float32/fwd/D128": [[1.0, 0.5]]}, version="0.0.0-other")
+    write(calibration, ISA, {"decode-gqa-q1/float32/fwd/D128": [[1.0, 0.5]]}, version="0.0.0-other")
     crossover.clear()
     assert qkv.dispatch(q, k, v).basis.startswith("default")
     calibration.write_text("{ not json")
@@ -137,13 +139,17 @@ def test_qkv_tune_measures_stores_and_shows_a_table(calibration, capsys):
     data = json.loads(calibration.read_text())
     assert data["qkv_version"] == crossover.qkv_version()
     points = data["paths"][ISA]["points"]
-    want = {"decode-gqa/float32/fwd/D128", "masked/bfloat16/fwd+bwd/D64", "causal/float16/fwd/D64"}
+    want = {
+        "decode-gqa-q1/float32/fwd/D128",
+        "masked/bfloat16/fwd+bwd/D64",
+        "causal/float16/fwd/D64",
+    }
     assert want <= set(points)
     assert "dense/float32/fwd+bwd/D64" not in points  # never goes to SDPA: not measured
     assert all(r > 0 for pts in points.values() for _, r in pts)
     assert qkv.dispatch(*decode_request(256)).basis.startswith("calibrated")
     assert main(["tune", "--show"]) == 0
-    assert "decode-mha/float32/fwd/D64" in capsys.readouterr().out
+    assert "decode-mha-q1/float32/fwd/D64" in capsys.readouterr().out
 
 
 def test_a_compiled_call_keeps_the_decision_as_a_constant():

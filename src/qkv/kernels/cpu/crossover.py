@@ -8,10 +8,10 @@ never go to SDPA.
 
 A request's class is `kind/dtype/pass/D`:
 
-- kind: `decode-mha` / `decode-gqa` (a KV-cache step or several-query decoding: at most
-  `DECODE_ROWS` query rows per key/value head, `Nq · H/Hkv`, against more keys than queries;
-  without and with grouped heads), else `masked` (a bool mask tensor, such as a padding mask),
-  `causal` or `dense`;
+- kind: `decode-mha-q1`, `decode-mha-qN`, `decode-gqa-q1`, `decode-gqa-qN` (a KV-cache step,
+  one query, or several-query decoding, up to `DECODE_ROWS` queries, against more keys than
+  queries; without and with grouped heads), else `masked` (a bool mask tensor, such as a padding
+  mask), `causal` or `dense`;
 - dtype: `float32`, `bfloat16`, `float16`;
 - pass: `fwd` (no gradient) or `fwd+bwd`;
 - D: the head dimension's bucket, `D64` (D ≤ 64) or `D128` (larger).
@@ -55,7 +55,7 @@ import torch
 from ...plan import AttentionPlan
 
 ENV = "QKV_CROSSOVERS"  # "default": ignore this machine's calibration (tests, comparisons)
-DECODE_ROWS = 16  # query rows per kv head up to which a request is a decoding step
+DECODE_ROWS = 16  # queries up to which a request against a longer cache is a decoding step
 CALIBRATED = "crossovers.json"
 DEFAULTS = Path(__file__).resolve().parent / "crossovers_default.json"
 STAND_INS = {"amx": "avx512"}  # a path without a default table of its own -> the one that stands in
@@ -70,9 +70,10 @@ def qkv_version() -> str:
 
 
 def kind_of(plan: AttentionPlan) -> str:
-    """`decode-mha`, `decode-gqa`, `masked`, `causal` or `dense` (the module docstring)."""
-    if plan.q_len * plan.groups <= DECODE_ROWS and plan.kv_len > plan.q_len:
-        return "decode-gqa" if plan.groups > 1 else "decode-mha"
+    """`decode-{mha,gqa}-{q1,qN}`, `masked`, `causal` or `dense` (the module docstring)."""
+    if plan.q_len <= DECODE_ROWS and plan.kv_len > plan.q_len:
+        heads = "gqa" if plan.groups > 1 else "mha"
+        return f"decode-{heads}-{'q1' if plan.q_len == 1 else 'qN'}"
     if plan.mask is not None:
         return "masked"
     return "causal" if plan.causal else "dense"
