@@ -12,9 +12,20 @@ from benchmarks.report import MemoryRow, Row, read_sections
 from benchmarks.results import CaseRecord, MemoryResult, Results, Timing, type_path
 from benchmarks.run import load_suite, main, suite_names
 from benchmarks.suite import FWD, FWD_BWD, Group
-from benchmarks.suites import cpu, decode, distributed, sparse
+from benchmarks.suites import cpu, decode, distributed, e2e, sparse
 
-SUITES = ("core", "cpu", "decode", "distributed", "gpu", "hf", "sparse", "vision")
+SUITES = (
+    "core",
+    "cpu",
+    "decode",
+    "dispatch",
+    "distributed",
+    "e2e",
+    "gpu",
+    "hf",
+    "sparse",
+    "vision",
+)
 
 
 def test_the_suites_are_found_by_name(capsys):
@@ -208,3 +219,120 @@ def test_cpu_bf16_spread_samples_and_its_table():
     lines = cpu.spread_block(res)
     assert "| start | 250 | 500 | 1000 | 4.00 |" in lines
     assert "| end | — | — | — | — |" in lines  # a run cut short before its last stage
+
+
+def e2e_results(group: str, cases: list, timed, times: dict, attention: dict) -> Results:
+    """Results of e2e's `group`: `cases` recorded in order, one of them `timed` (seconds per
+    round by implementation) with its attention seconds per call in the group's stage."""
+    res = Results(suite="e2e", mode="full", command="", machine={})
+    pass_ = FWD_BWD if group in ("train", "nanogpt") else FWD
+    for case in cases:
+        res.cases.append(CaseRecord(group, type_path(case), dict(vars(case))))
+    for impl, seconds in times.items():
+        res.timings.append(Timing(group, dict(vars(timed)), impl, pass_, times_s=seconds))
+    res.derive(e2e.SUITE.group(group))
+    res.stages[f"attention {group}"] = [
+        {"case": dict(vars(timed)), "impl": impl, "attention_s": s, "calls": 2}
+        for impl, s in attention.items()
+    ]
+    return res
+
+
+def test_e2e_decoding_step_attention_share_and_target():
+    case = e2e.Decode(4096, "dynamic", 64)
+    one = e2e.ONE
+    res = e2e_results(
+        "decode",
+        [case],
+        case,
+        {"qkv": [1.33, 1.36], f"qkv{one}": [0.07, 0.10], "sdpa": [1.96, 2.0],
+         f"sdpa{one}": [0.07, 0.11]},
+        # warm-up calls first (two: the group keeps outputs), then one per timed round
+        {"qkv": [9, 9, 0.64, 0.62], f"qkv{one}": [9, 9, 0, 0], "sdpa": [9, 9, 1.26, 1.26],
+         f"sdpa{one}": [9, 9, 0, 0]},
+    )  # fmt: skip
+    row = Row(res, "decode", case, "qkv")
+    assert e2e.step_s(row) == pytest.approx(0.02)  # (1.345 − 0.085) / 63
+    assert e2e.step_s(row, "sdpa") == pytest.approx(0.03)
+    assert e2e.step_ratio(row) == pytest.approx(1.5)  # per round: 0.03 / 0.02 twice
+    assert e2e.attention_s(row) == pytest.approx(0.01)  # (0.63 − 0) / 63
+    assert e2e.attention_share(row) == pytest.approx(0.5)
+    assert e2e.attention_ratio(row) == pytest.approx(2.0)
+    assert (
+        "| 4096 | dynamic | 64 | qkv | 1345.0 | 85.0 | 20.00 | 50.0 | 1.50 | 50% | 2.00 | — |"
+        in (e2e.DECODE_TABLE.render(res))
+    )
+    shown = {t["name"]: t for t in (target.evaluate(res) for target in e2e.SUITE.targets)}
+    first = shown["decoding step after 4096 tokens, dynamic cache: `qkv` ×SDPA"]
+    assert first["measured"] == pytest.approx(1.5) and first["passed"] is True
+    assert shown["decoding step after 16384 tokens, static cache: `qkv` ×SDPA"]["passed"] is None
+
+
+def test_e2e_prefill_share_and_targets_name_the_runs_cases():
+    cases = [e2e.Prefill(n, dt) for n, dt in e2e.QUICK.prefill]
+    res = e2e_results(
+        "prefill",
+        cases,
+        cases[2],  # the third case of the run
+        {"qkv": [10.0, 10.4, 10.2], "sdpa": [12.0, 12.6, 12.0]},
+        {"qkv": [30.0, 4.0, 4.2, 4.1], "sdpa": [30.0, 6.0, 6.2, 6.15]},  # a warm-up call first
+    )
+    row = Row(res, "prefill", cases[2], "qkv")
+    assert e2e.attention_share(row) == pytest.approx(4.1 / 10.2)
+    assert e2e.attention_ratio(row) == pytest.approx(6.15 / 4.1)
+    assert e2e.attention_share(Row(res, "prefill", cases[0], "qkv")) is None  # not timed
+    targets = [t.evaluate(res) for t in e2e.SUITE.targets]
+    third = targets[2]
+    assert third["name"] == "prefill fp32 N=512: `qkv` ×SDPA" and third["threshold"] == "≥ 1.1×"
+    assert third["measured"] == pytest.approx(1.2) and third["passed"] is True
+    # a case the run does not have is named as in the full run
+    assert targets[-1]["name"] == "compiled prefill N=4096: `qkv` ×SDPA"
+    assert targets[-1]["passed"] is None
+
+
+def test_e2e_attention_timer_counts_forward_and_backward():
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+    timer = e2e.Timer()
+    out = timer.around(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v)
+    out.sum().backward()
+    assert timer.calls == 1 and timer.forward_s > 0 and timer.backward_s > 0
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    F.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v), strict=True))
+    with torch.no_grad():  # no gradient: nothing marked, the forward still timed
+        timer.around(lambda a, b, c: a + b + c, q, k, v)
+    assert timer.calls == 2
+
+
+def test_e2e_compile_failure_is_one_line_with_the_reason():
+    Unsupported = type("Unsupported", (Exception,), {})
+    error = Unsupported(
+        "Attempted to call function marked as skipped\n"
+        "  Explanation: the function `import_module` in file x.py should not be traced.\n"
+        "from user code:\n"
+        '   File "/env/transformers/models/llama/modeling_llama.py", line 459, in forward\n'
+        '  File "/repo/src/qkv/integrations/hf.py", line 123, in make_mask\n'
+        '  File "/env/lib/python3.11/importlib/__init__.py", line 90, in import_module\n'
+    )
+    assert e2e.compile_reason(error) == (
+        "Unsupported: Attempted to call function marked as skipped (`import_module`) in "
+        "qkv/integrations/hf.py:123 make_mask"
+    )
+
+
+def test_dispatch_races_only_the_backends_that_compute_the_request_exactly():
+    from benchmarks.suites import dispatch as d
+
+    dense = d.Case("prefill", "fp32", 256, 256, 4, 4, 64)
+    assert d.runs(dense, "sdpa", grad=False) and not d.runs(dense, "sdpa", grad=True)
+    assert d.runs(d.Case("prefill", "bf16", 256, 256, 4, 4, 64), "sdpa", grad=True)
+    assert not d.runs(d.Case("decode", "fp32", 1, 16384, 8, 8, 64), "tiled", grad=False)
+    window = d.Case("mask", "fp32", 1024, 1024, 4, 4, 64, mask="window")
+    # without finite_inputs a masked request is not SDPA's (0 · NaN): it sits the race out
+    assert d.runs(window, "tiled", grad=True) and not d.runs(window, "sdpa", grad=False)
+    assert d.kwargs_of(d.Case("mask", "fp32", 64, 64, 1, 1, 8, mask="padding"))["finite_inputs"]
