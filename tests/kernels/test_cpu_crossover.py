@@ -107,19 +107,23 @@ def test_auto_follows_a_calibration_and_says_so(calibration):
     assert d.name == "cpu" and d.basis.startswith("calibrated")
 
 
-def test_the_default_decides_when_asked_or_when_the_calibration_is_foreign(
-    calibration, monkeypatch
-):
+def test_the_default_decides_when_asked_or_for_a_foreign_calibration(calibration, monkeypatch):
     q, k, v = decode_request(4096)
-    write(calibration, ISA, {"decode-gqa-q1/float32/fwd/D128": [[1.0, 0.5]]})
+    plan = make_plan(q, k, v)
+    cls, work = crossover.class_of(plan), crossover.work_of(plan)
+    default = crossover.default_table(ISA).winner(cls, work) or "cpu"
+    opposite = [[1.0, 0.5 if default == "cpu" else 2.0]]  # a calibration that disagrees
+    write(calibration, ISA, {cls: opposite})
+    assert qkv.dispatch(q, k, v).name != default  # the calibration decides
     monkeypatch.setenv(crossover.ENV, "default")
     crossover.clear()  # read with the tables
     d = qkv.dispatch(q, k, v)
-    assert d.name == "cpu" and d.basis.startswith("default")
+    assert d.name == default and d.basis.startswith("default")
     monkeypatch.delenv(crossover.ENV)
-    write(calibration, ISA, {"decode-gqa-q1/float32/fwd/D128": [[1.0, 0.5]]}, version="0.0.0-other")
+    write(calibration, ISA, {cls: opposite}, version="0.0.0-other")
     crossover.clear()
-    assert qkv.dispatch(q, k, v).basis.startswith("default")
+    d = qkv.dispatch(q, k, v)
+    assert d.name == default and d.basis.startswith("default")
     calibration.write_text("{ not json")
     crossover.clear()
     assert qkv.dispatch(q, k, v).basis.startswith("default")
