@@ -140,3 +140,38 @@ def generate_fn(inputs: dict, n_new: int, **kw) -> Callable:
         return out.sequences, torch.stack(out.logits, 1)
 
     return fn
+
+
+def tiny_llama():
+    """A 2-layer Llama with grouped heads (6 on 2), random weights, built by `build`."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    return build(transformers.LlamaForCausalLM, config)
+
+
+def tiny_mistral(window: int):
+    """A 2-layer Mistral (every layer slides over `window` keys), built by `build`."""
+    import transformers
+
+    config = transformers.MistralConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        sliding_window=window,
+        pad_token_id=0,
+    )
+    return build(transformers.MistralForCausalLM, config)

@@ -28,38 +28,17 @@ import qkv  # noqa: E402
 from qkv.integrations import hf  # noqa: E402
 
 from ..helpers import assert_error_ratio  # noqa: E402
-from .hf_helpers import Float64Everywhere, build, padded_ids, run  # noqa: E402
+from .hf_helpers import Float64Everywhere, padded_ids, run, tiny_llama, tiny_mistral  # noqa: E402
 
 hf.register()
 
 
 def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    return build(transformers.LlamaForCausalLM, config)
+    return tiny_llama()
 
 
 def _mistral(window=5):
-    config = transformers.MistralConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        sliding_window=window,
-        pad_token_id=0,
-    )
-    return build(transformers.MistralForCausalLM, config)
+    return tiny_mistral(window)
 
 
 MODELS = {"llama": _llama, "mistral": _mistral}

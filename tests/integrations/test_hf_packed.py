@@ -25,7 +25,7 @@ from qkv import masks  # noqa: E402
 from qkv.integrations import hf  # noqa: E402
 
 from ..helpers import assert_error_ratio  # noqa: E402
-from .hf_helpers import Float64Everywhere, build, run  # noqa: E402
+from .hf_helpers import Float64Everywhere, run, tiny_llama, tiny_mistral  # noqa: E402
 
 hf.register()
 
@@ -33,32 +33,11 @@ LENGTHS = [5, 11, 3, 8]
 
 
 def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    return build(transformers.LlamaForCausalLM, config)
+    return tiny_llama()
 
 
 def _mistral():  # every layer slides, with a window shorter than the longer sequences
-    config = transformers.MistralConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        sliding_window=4,
-        pad_token_id=0,
-    )
-    return build(transformers.MistralForCausalLM, config)
+    return tiny_mistral(4)
 
 
 MODELS = {"llama": _llama, "mistral": _mistral}
