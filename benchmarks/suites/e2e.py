@@ -47,7 +47,10 @@ a nanoGPT training step and `torch.compile`.
   layer's attention backward in one stretch on CPU). **attn %** = median attention seconds per
   timed call / median call time; **attn ×SDPA** = SDPA's attention seconds / the row's: the
   speed of attention itself, which bounds what the whole model can gain. For decoding both
-  are per step (the T-token call minus the 1-token call).
+  are per step (the T-token call minus the 1-token call). **ceiling ×SDPA** = SDPA's time /
+  (SDPA's time − SDPA's attention time): the ×SDPA the case would reach if attention took no
+  time at all, which no attention implementation can pass (a target above it is out of reach
+  for this model shape on this machine).
 - **Outputs** are checked before anything is timed, on a short prompt: logits of every
   implementation against a float64 `eager` run of the same weights, under the error rule of
   docs/design.md (`max|impl − golden| ≤ 2·max|sdpa − golden| + one rounding of max|golden|`),
@@ -216,7 +219,9 @@ def base_model(kind: str, layers: int, window: int):
 
 
 def ids_of(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+    # from 1: token 0 is the pad token generate() is given, and a prompt holding it would be
+    # read as padded (generate builds its attention mask from ids != pad_token_id)
+    return torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 class NanoBlock(nn.Module):
@@ -785,6 +790,15 @@ def attention_ratio(row: rp.Row) -> float | None:
     return sdpa / mine if mine and sdpa is not None else None
 
 
+def ceiling(row: rp.Row) -> float | None:
+    """The most any attention could make the case ×SDPA: SDPA's time over SDPA's time without
+    its attention (Amdahl), the bound a target above it cannot pass."""
+    attn, total = attention_s(row, "sdpa"), call_s(row, "sdpa")
+    if attn is None or not total or attn >= total:
+        return None
+    return total / (total - attn)
+
+
 def step_times(row: rp.Row, impl: str) -> list[float | None]:
     """Seconds per decoding step in each round: (T-token call − 1-token call) / (T − 1)."""
     full, one = row.timing(FWD, impl), row.timing(FWD, impl + ONE)
@@ -829,6 +843,7 @@ def ms(seconds: float | None, spec: str = ".1f") -> str:
 ATTENTION = (
     rp.Column("attn %", lambda r: pct(attention_share(r))),
     rp.Column("attn ×SDPA", lambda r: rp.fmt(attention_ratio(r), ".2f")),
+    rp.Column("ceiling ×SDPA", lambda r: rp.fmt(ceiling(r), ".2f")),
 )
 
 

@@ -79,19 +79,20 @@ def test_classes_of_requests():
     assert crossover.work_of(plan) == 4 * 32 * 32 * 32 / 2
 
 
-def test_the_avx512_default_sends_grouped_decoding_to_the_kernel_from_a_thousand_keys():
-    # A KV-cache step of a 32:8 grouped model at D = 128 (fp32 and bf16) was measured faster on
-    # the kernel from Nk = 1024 on the machine the AVX-512 default comes from; the amx path
-    # reads that table too. (Other paths decide by their own measurements.)
+def test_the_avx512_default_sends_grouped_decoding_to_the_kernel_from_4096_keys():
+    # A float32 KV-cache step of a 32:8 grouped model at D = 128 was measured faster on the
+    # kernel than SDPA (its grouped heads packed as rows) from Nk = 4096 on the machine the
+    # AVX-512 default comes from; the amx path reads that table too. (bfloat16 measured even
+    # with SDPA there, 0.99–1.01×, so either may win it; other paths decide by their own
+    # measurements.)
     defaults = crossover.parse(json.loads(crossover.DEFAULTS.read_text()), "default")
     assert {"avx512", "avx2", "portable"} <= set(defaults)
     for isa in ("amx", "avx512"):
         table = crossover.default_table(isa)
-        for dtype in (torch.float32, torch.bfloat16):
-            for nk in (1024, 4096, 16384, 65536):
-                plan = make_plan(*decode_request(nk, dtype))
-                who = table.winner(crossover.class_of(plan), crossover.work_of(plan))
-                assert who == "cpu", (isa, dtype, nk)
+        for nk in (4096, 16384, 65536):
+            plan = make_plan(*decode_request(nk, torch.float32))
+            who = table.winner(crossover.class_of(plan), crossover.work_of(plan))
+            assert who == "cpu", (isa, nk)
 
 
 def test_auto_follows_a_calibration_and_says_so(calibration):

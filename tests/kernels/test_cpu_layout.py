@@ -244,3 +244,49 @@ def test_many_tiny_segments_keep_the_uniform_grid():
     L = lay.kernel_layout(plan, 64)
     assert L.q_starts is None
     assert torch.equal(_dense(L, 1, 1)[0, 0], masks.varlen(cu, cu).dense4(200, 200)[0, 0])
+
+
+def _key_mask(shape, p: float, seed: int) -> torch.Tensor:
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) < p
+
+
+@pytest.mark.parametrize(
+    "nq,nk,shape,causal",
+    [
+        (1, 300, (2, 1, 1, 300), False),  # a decoding step with padding
+        (1, 300, (1, 1, 1, 300), True),
+        (5, 130, (2, 4, 1, 130), True),  # per head, several queries, causal
+        (70, 200, (2, 1, 1, 200), True),  # prefill rows: causal tiles on the diagonal
+        (200, 70, (1, 4, 1, 70), True),  # Nq > Nk: the first rows see nothing
+        (64, 256, (1, 1, 1, 1), False),  # broadcast over keys too
+    ],
+)
+@pytest.mark.parametrize("p", [0.0, 0.8, 1.0])
+@pytest.mark.parametrize("block_q", [16, 64])
+def test_key_mask_layout_equals_the_general_encoding(nq, nk, shape, causal, p, block_q):
+    """The key-padding fast path gives the arrays `encode(layout_for(...))` gives."""
+    _needs_kernel()
+    mask = _key_mask(shape, p, seed=nq + nk)
+    if shape[-1] == 1:
+        mask = torch.ones(shape, dtype=torch.bool)
+    plan = _plan(mask, causal, nq, nk)
+    fast = lay.key_mask_layout(plan, block_q)
+    assert fast is not None
+    slow = lay.encode(plan, layout_for(plan, block_q, lay.BLOCK_K))
+    for name in ("row_ptr", "col_idx", "code", "col_ptr", "row_idx", "code_t", "bits"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def _needs_kernel():
+    from qkv.kernels import cpu
+
+    if cpu.status() is not None:
+        pytest.skip(f"the compiled kernel builds the key layout: {cpu.status()}")
+
+
+def test_key_mask_layout_declines_other_masks():
+    _needs_kernel()
+    plan = _plan(_key_mask((2, 1, 200, 200), 0.8, 0), False)  # varies by row
+    assert lay.key_mask_layout(plan, 64) is None
+    assert lay.key_mask_layout(_plan(masks.sliding_window(20), False), 64) is None

@@ -12,6 +12,8 @@ problem. With Nq < Nk it needs an explicit Nq × Nk mask, so `auto` passes such 
 backend that skips the tiles instead; asked for by name, sdpa builds the mask.
 On the CPU with fewer than 16 keys, torch's fused kernel drops a NaN of q (the row comes back
 as zeros), so those calls run torch's math kernel, which does not.
+Grouped heads with a few query rows (decoding) run as one head of G·Nq rows per kv head
+(`_packed`), which torch's kernel runs twice as fast as `enable_gqa`.
 """
 
 from __future__ import annotations
@@ -139,17 +141,55 @@ def _fused_16bit_breaks() -> bool:
     return narrow and bool(torch.cpu._is_amx_tile_supported())
 
 
+# Query rows up to which grouped heads are packed (_packed): decoding and speculative steps.
+PACK_ROWS = 16
+
+
+def _packed(q, attn_mask, is_causal: bool, groups: int):
+    """`(q, mask)` with the G query heads of each kv head laid out as G·Nq rows of one head,
+    `(B, Hkv, G·Nq, D)`, or None where that is not the same problem. torch's CPU kernel runs a
+    few query rows against a long K/V far faster as one head of G·Nq rows, each key block read
+    once for the group, than with `enable_gqa` (at Nq = 1, 14:2 heads, D = 64, Nk = 4096: 190
+    against 385 µs on a 2-core AMD EPYC); transformers' own sdpa attention does the same.
+    Causal masks depend on the row (not packed); a mask that varies by query row but not by
+    head would have to be copied G times (not packed either)."""
+    nq = q.shape[-2]
+    if groups <= 1 or is_causal or nq > PACK_ROWS:
+        return None
+    if attn_mask is not None:
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        if attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
+            pass  # one row of keys per batch element: it broadcasts over the packed rows
+        elif attn_mask.shape[1] == q.shape[1]:  # per head: the heads of a group become rows
+            attn_mask = attn_mask.expand(-1, -1, nq, -1).reshape(
+                attn_mask.shape[0], -1, groups * nq, attn_mask.shape[-1]
+            )
+        else:
+            return None
+    B, H, _, D = q.shape
+    return q.reshape(B, H // groups, groups * nq, D), attn_mask
+
+
 def _call(q, k, v, attn_mask, is_causal: bool, plan: AttentionPlan) -> torch.Tensor:
-    """torch SDPA with qkv's scale and grouped heads; its math kernel on the CPU for fewer than
-    16 keys, where the fused kernel loses a NaN of q, and for 16-bit inputs where the fused
-    kernel fails (_fused_16bit_breaks)."""
+    """torch SDPA with qkv's scale and grouped heads (packed as rows where that is faster:
+    _packed); its math kernel on the CPU for fewer than 16 keys, where the fused kernel loses a
+    NaN of q, and for 16-bit inputs where the fused kernel fails (_fused_16bit_breaks)."""
+    packed = _packed(q, attn_mask, is_causal, plan.groups)
+    if packed is not None:
+        B, H, nq, _ = q.shape
+        out = _sdpa(packed[0], k, v, packed[1], False, plan.scale, {})
+        return out.reshape(B, H, nq, out.shape[-1])
     extra = {"enable_gqa": True} if plan.groups > 1 else {}
+    return _sdpa(q, k, v, attn_mask, is_causal, plan.scale, extra)
+
+
+def _sdpa(q, k, v, attn_mask, is_causal: bool, scale: float, extra: dict) -> torch.Tensor:
     low = q.dtype in (torch.bfloat16, torch.float16)
     if q.device.type == "cpu" and (k.shape[-2] < 16 or (low and _fused_16bit_breaks())):
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=plan.scale, **extra
+                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **extra
             )
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=plan.scale, **extra
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **extra
     )

@@ -31,7 +31,7 @@ import torch
 
 NAME = "qkv_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_portable.cpp")
+SOURCES = ("ops.cpp", "key_layout.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_portable.cpp")
 HEADERS = (
     "placement.h",
     "problem.h",
