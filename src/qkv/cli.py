@@ -228,7 +228,11 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _build_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--force", action="store_true", help="rebuild, also after a failed build")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild even a good build (a failed one is always retried)",
+    )
     p.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     p.add_argument("--no-tune", action="store_true", help="skip `qkv tune` after the build")
 
@@ -237,7 +241,7 @@ def _build(args: argparse.Namespace) -> None:
     from .kernels.cpu import build, isa
 
     try:
-        ops = build.load(force=args.force, verbose=args.verbose)
+        ops = build.load(force=args.force, verbose=args.verbose, retry=True)
     except build.KernelUnavailable as e:
         cause = e.__cause__
         if cause is not None and args.verbose:

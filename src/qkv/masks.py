@@ -614,10 +614,14 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> Mask:
 
 def key_mask(valid: torch.Tensor) -> Mask:
     """Per batch element, which keys are real: `valid` is bool `(B, Nk)` (True = a real token),
-    as in a transformers `attention_mask`; padding may sit anywhere (left or right)."""
+    as in a transformers `attention_mask`; padding may sit anywhere (left or right).
+
+    The Mask holds a copy of `valid` taken here: changing `valid` in place afterwards does not
+    change the Mask (build a new one for new padding)."""
     if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
         got = f"{valid.dtype} {tuple(valid.shape)}" if isinstance(valid, torch.Tensor) else valid
         raise TypeError(f"key_mask needs a bool tensor (B, Nk), got {got}")
+    valid = valid.detach().clone()
     table = valid.to("cpu")
     counts = torch.nn.functional.pad(table.long().cumsum(1), (1, 0))  # (B, Nk + 1)
 
@@ -759,13 +763,16 @@ def _picks_in(picks: torch.Tensor, i0, i1, j0, j1) -> torch.Tensor:
 
 def from_tensor(mask: torch.Tensor) -> Mask:
     """A dense bool tensor `(Nq, Nk)`, `(H, Nq, Nk)` or `(B, H, Nq, Nk)` as a Mask (True = may
-    attend). Its size must match the problem it is used on."""
+    attend). Its size must match the problem it is used on.
+
+    The Mask holds a copy of `mask` taken here, so the layouts qkv keeps for it stay true:
+    changing `mask` in place afterwards does not change the Mask (build a new one)."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise TypeError(f"from_tensor needs a bool tensor, got {got}")
     if mask.dim() not in (2, 3, 4):
         raise ValueError(f"from_tensor needs 2 to 4 dims, got shape {tuple(mask.shape)}")
-    m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    m4 = mask.detach().clone().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     B, H, nq_t, nk_t = m4.shape
 
     def rule(b, h, q, kv, n):
@@ -794,7 +801,7 @@ def _check_cu(name: str, cu: object) -> torch.Tensor:
         raise TypeError(f"{name} must be an int32/int64 tensor, got {cu!r}")
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name} must be 1-D with at least one entry, got {tuple(cu.shape)}")
-    cu = cu.to("cpu", torch.long)
+    cu = cu.detach().to("cpu", torch.long, copy=True)  # a copy: the Mask never goes stale
     if cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"{name} must start at 0 and never decrease, got {cu.tolist()[:8]}")
     return cu

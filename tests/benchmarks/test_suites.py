@@ -258,9 +258,10 @@ def test_e2e_decoding_step_attention_share_and_target():
     assert e2e.attention_s(row) == pytest.approx(0.01)  # (0.63 − 0) / 63
     assert e2e.attention_share(row) == pytest.approx(0.5)
     assert e2e.attention_ratio(row) == pytest.approx(2.0)
+    assert e2e.ceiling(row) == pytest.approx(3.0)  # 0.03 / (0.03 − sdpa's 0.02 of attention)
     assert (
-        "| 4096 | dynamic | 64 | qkv | 1345.0 | 85.0 | 20.00 | 50.0 | 1.50 | 50% | 2.00 | — |"
-        in (e2e.DECODE_TABLE.render(res))
+        "| 4096 | dynamic | 64 | qkv | 1345.0 | 85.0 | 20.00 | 50.0 | 1.50 | 50% | 2.00 | 3.00 "
+        "| — |" in (e2e.DECODE_TABLE.render(res))
     )
     shown = {t["name"]: t for t in (target.evaluate(res) for target in e2e.SUITE.targets)}
     first = shown["decoding step after 4096 tokens, dynamic cache: `qkv` ×SDPA"]

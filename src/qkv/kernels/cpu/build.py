@@ -9,29 +9,46 @@ every instruction-set path (AVX-512, AVX2, portable); the path is chosen when a 
   a new torch, another CPU or an edited source builds afresh and nothing stale is ever loaded.
 - When: on first use (`qkv.attention` considering the `cpu` backend) or ahead of time with
   `qkv build`. Building prints one line on stderr and takes well under a minute on 2 cores.
-- If it cannot be built (no compiler, no ninja, a compiler error), `status()` says why, the
-  reason is kept in the build folder so later processes do not retry (until `qkv build`), and
-  qkv keeps working on its pure-PyTorch backends.
+- If it cannot be built (no compiler, no ninja, a compiler error, a cache folder that cannot be
+  written), `status()` says why, a compiler's failure is kept in the build folder so later
+  processes do not retry (until `qkv build`), and qkv keeps working on its other backends.
+- Never a crash or a hang from the cache: a library is loaded only when its size and sha256
+  equal what its build recorded (`library.json`), so a truncated or corrupted file is rebuilt,
+  not loaded; a recorded build loads without writing anything (a read-only cache works); one
+  process builds at a time under an OS file lock (released when its holder dies, even by
+  SIGKILL), in a fresh folder of its own whose library is moved into place by a rename, and
+  what a killed build left is cleared by the next one.
 
 Importing this module does not build or load anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import platform
 import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 NAME = "qkv_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "key_layout.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_portable.cpp")
+SOURCES = (
+    "ops.cpp",
+    "key_layout.cpp",
+    "isa_amx.cpp",
+    "isa_avx512.cpp",
+    "isa_avx2.cpp",
+    "isa_portable.cpp",
+)
 HEADERS = (
     "placement.h",
     "problem.h",
@@ -50,6 +67,8 @@ HEADERS = (
 # runtime is linked), so the kernel runs on torch's thread pool and torch.set_num_threads holds.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 FAILED = "build-failed.txt"
+MANIFEST = "library.json"  # size and sha256 of the library a build finished
+BUILDING = "building-"  # prefix of a build's own folder (inside the kernel's folder)
 
 
 class KernelUnavailable(RuntimeError):
@@ -129,50 +148,133 @@ def _compile(folder: Path, verbose: bool) -> None:
     )
 
 
-def load(build: bool = True, force: bool = False, verbose: bool = False):
+def _digest(path: Path) -> dict[str, object]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _verified(folder: Path) -> bool:
+    """Whether `folder` holds a library that a build finished: its size and sha256 are those
+    the build recorded in MANIFEST. A truncated, emptied or corrupted file is never loaded
+    (loading one kills the process with SIGSEGV or SIGBUS); it is rebuilt instead."""
+    try:
+        want = json.loads((folder / MANIFEST).read_text())
+        return isinstance(want, dict) and all(
+            want.get(key) == value for key, value in _digest(_library(folder)).items()
+        )
+    except (OSError, ValueError):
+        return False
+
+
+def _load(folder: Path):
+    global _ops
+    torch.ops.load_library(str(_library(folder)))
+    _ops = torch.ops.qkv_cpu
+    return _ops
+
+
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Write `path` through a temporary name in its folder and a rename: readers see the old
+    file or the new one, never a part."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        write(part)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def _install(built: Path, folder: Path) -> None:
+    """Move a finished build's library into `folder`, then record its size and checksum."""
+    _write_atomic(_library(folder), lambda p: shutil.copyfile(_library(built), p))
+    manifest = {**_digest(_library(folder)), "torch": torch.__version__}
+    _write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest) + "\n"))
+
+
+def _clear_leftovers(folder: Path) -> None:
+    """What killed builds left (their build folders, half-written files); called holding the
+    lock, so no other qkv process is building here."""
+    for entry in folder.iterdir():
+        if entry.name.startswith(BUILDING) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.name.endswith(".part"):
+            entry.unlink(missing_ok=True)
+
+
+def load(build: bool = True, force: bool = False, verbose: bool = False, retry: bool = False):
     """`torch.ops.qkv_cpu`, building it first if needed. Raises `KernelUnavailable` with the
-    reason when it cannot be had. `force` rebuilds even after a recorded failure (`qkv build`);
-    `build=False` only loads an existing build."""
-    global _ops, _error
+    reason when it cannot be had. `force` rebuilds a good build too; `retry` tries again after
+    a recorded failure (`qkv build` does); `build=False` only loads an existing build.
+
+    A build that the MANIFEST vouches for is loaded without writing anything (a read-only cache
+    works). Otherwise one process at a time builds (an OS file lock, released when its holder
+    dies, however it dies), in a fresh folder of its own, and moves the library into place with
+    a rename; a library that does not load is rebuilt once."""
+    global _error
     if _ops is not None:
         return _ops
-    if _error is not None and not force:
+    if _error is not None and not (force or retry):
         raise KernelUnavailable(_error)
     folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; others wait, then load
-        failed = folder / FAILED
-        if failed.exists() and not force:
-            _error = failed.read_text().strip() or "an earlier build failed"
-            raise KernelUnavailable(_error)
-        lib = _library(folder)
+    if not force and _verified(folder):
         try:
-            if lib.exists() and not force:
-                torch.ops.load_library(str(lib))
-            elif not build:
-                raise KernelUnavailable("not built yet (run `qkv build`)")
-            else:
-                print(
-                    f"qkv: compiling the CPU attention kernel into {folder} "
-                    "(once per machine and torch version)...",
-                    end="",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                start = time.perf_counter()
-                try:
-                    _compile(folder, verbose)
-                finally:
-                    print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-                failed.unlink(missing_ok=True)
-        except KernelUnavailable as err:
-            _error = str(err)
+            return _load(folder)
+        except Exception:  # vouched for but unloadable: build it again, once
+            force = True
+    if not build:
+        _error = "not built yet (run `qkv build`)"
+        raise KernelUnavailable(_error)
+    try:
+        return _build(folder, force, retry, verbose)
+    except KernelUnavailable as err:
+        _error = str(err)
+        raise
+
+
+def _build(folder: Path, force: bool, retry: bool, verbose: bool):
+    global _ops
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / ".lock", "a")  # noqa: SIM115 (closed by the `with` below)
+    except OSError as err:
+        raise KernelUnavailable(
+            f"its cache folder {folder} cannot be written ({err.strerror or err}); set "
+            f"QKV_CACHE_DIR to a writable folder"
+        ) from err
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; others wait, then load
+        if not force and _verified(folder):  # built by the process this one waited for
+            return _load(folder)
+        failed = folder / FAILED
+        if failed.exists() and not (force or retry):
+            raise KernelUnavailable(failed.read_text().strip() or "an earlier build failed")
+        _clear_leftovers(folder)
+        print(
+            f"qkv: compiling the CPU attention kernel into {folder} "
+            "(once per machine and torch version)...",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+        start = time.perf_counter()
+        building = Path(tempfile.mkdtemp(prefix=BUILDING, dir=folder))
+        try:
+            _compile(building, verbose)  # builds and loads the library there
+            _install(building, folder)
+        except KernelUnavailable:
             raise
-        except Exception as err:  # no compiler, a compile error, a bad library: record why
-            _error = f"building it failed: {_first_line(err)}"
-            failed.write_text(_error + "\n")
-            raise KernelUnavailable(_error) from err
+        except Exception as err:  # a compile error, a bad library, a full disk: record why
+            reason = f"building it failed: {_first_line(err)}"
+            with contextlib.suppress(OSError):  # an unwritable folder: the reason is raised
+                failed.write_text(reason + "\n")
+            raise KernelUnavailable(reason) from err
+        finally:
+            print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+            shutil.rmtree(building, ignore_errors=True)
+        failed.unlink(missing_ok=True)
     _ops = torch.ops.qkv_cpu
     return _ops
 

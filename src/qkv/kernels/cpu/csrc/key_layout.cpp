@@ -4,7 +4,9 @@
 // step with padding pays microseconds for its layout, not the hundreds that a few dozen small
 // tensor operations cost.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cstdint>

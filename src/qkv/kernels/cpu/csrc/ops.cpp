@@ -6,6 +6,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -638,11 +639,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   Inputs in = inputs_of(q, k, v, scale, slopes, softcap, alibi_after_softcap, dropout_p,
                         dropout_seed, precise_scores);
   Problem& P = in.P;
-  P.lay = layout_of(row_ptr, col_idx, tile_code, col_ptr, row_idx, tile_code_t, bits, q_starts,
-                    k_starts, block_q, P.Nq, P.Nk, P.B, P.H);
   TORCH_CHECK(dout.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == P.B &&
                   out.size(1) == P.H && out.size(2) == P.Nq && out.size(3) == P.Dv,
               "qkv_cpu: dout and out must be (B, H, Nq, Dv)");
+  if (P.B == 0 || P.H == 0 || P.Nq == 0 || P.Nk == 0) {
+    // no pair attends: every gradient is 0 (and the plan below would divide by a zero count)
+    const auto o = in.q.options();
+    return {at::zeros({P.B, P.H, P.Nq, P.D}, o), at::zeros({P.B, P.Hkv, P.Nk, P.D}, o),
+            at::zeros({P.B, P.Hkv, P.Nk, P.Dv}, o)};
+  }
+  P.lay = layout_of(row_ptr, col_idx, tile_code, col_ptr, row_idx, tile_code_t, bits, q_starts,
+                    k_starts, block_q, P.Nq, P.Nk, P.B, P.H);
   at::Tensor dout_c = rows_dense(dout.to(in.q.scalar_type()));
   at::Tensor out_c = rows_dense(out.to(in.q.scalar_type()));
   at::Tensor m_c = m.to(at::kFloat).contiguous(), l_c = l.to(at::kDouble).contiguous();
