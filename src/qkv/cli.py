@@ -287,7 +287,7 @@ def _tune(args: argparse.Namespace) -> None:
         except OSError as e:
             print(f"crossovers not stored ({e}); `auto` keeps its defaults", file=sys.stderr)
     print(f"auto's crossovers for the {isa} path: {crossover.basis(isa)}")
-    print("  class: work (multiply-adds) : SDPA's time ÷ the kernel's, at each measured size")
+    print("  class: work (crossover.work_of) : SDPA's time ÷ the kernel's, at each measured size")
     table = crossover.table(isa)
     for cls, points in sorted(({} if table is None else table.points).items()):
         shown = " ".join(f"{w:.2g}:{r:.2f}" for w, r in points)

@@ -16,7 +16,8 @@ A request's class is `kind/dtype/pass/D`:
 - pass: `fwd` (no gradient) or `fwd+bwd`;
 - D: the head dimension's bucket, `D64` (D ≤ 64) or `D128` (larger).
 
-Its size is its work, `B · H · Nq · Nk · (D + Dv)` multiply-adds (halved for square causal).
+Its size is its work: for decoding the key and value elements it reads, `B · Hkv · Nk · (D +
+Dv)`; otherwise `B · H · Nq · Nk · (D + Dv)` multiply-adds (halved for square causal).
 A table holds, per class, points `(work, ratio)` measured on a ladder of sizes, where ratio is
 SDPA's time ÷ the kernel's (> 1: the kernel is faster). A request takes the point nearest to it
 in log(work) and runs on the kernel when that point's ratio, smoothed as the median of it and
@@ -87,7 +88,12 @@ def class_of(plan: AttentionPlan) -> str:
 
 
 def work_of(plan: AttentionPlan) -> float:
-    """Multiply-adds of the request's forward: `B·H·Nq·Nk·(D+Dv)`, halved for square causal."""
+    """The request's size: for a decoding step the key and value elements it reads,
+    `B·Hkv·Nk·(D+Dv)` (a few queries against a long cache take the time of reading it: Nq = 4
+    at Nk = 16384 runs like Nq = 8 there, not like Nq = 8 at half the keys); otherwise the
+    forward's multiply-adds `B·H·Nq·Nk·(D+Dv)`, halved for square causal."""
+    if kind_of(plan).startswith("decode"):
+        return float(plan.batch * plan.kv_heads * plan.kv_len * (plan.head_dim + plan.v_dim))
     w = plan.batch * plan.heads * plan.q_len * plan.kv_len * (plan.head_dim + plan.v_dim)
     return w / 2 if plan.causal and plan.q_len == plan.kv_len else float(w)
 
@@ -224,8 +230,8 @@ def _winner(isa: str, cls: str, work: float) -> tuple[str, str]:
     if t is None or t.winner(cls, work) != "sdpa":
         return "cpu", basis(isa)
     return "sdpa", (
-        f"torch SDPA was measured faster on {cls} requests of this size ({work:.3g} "
-        f"multiply-adds); crossovers: {basis(isa)}"
+        f"torch SDPA was measured faster on {cls} requests of this size ({work:.3g}, "
+        f"crossover.work_of); crossovers: {basis(isa)}"
     )
 
 
