@@ -109,6 +109,29 @@ def test_garbage_hidden_by_a_structured_mask_leaks_into_no_output_or_gradient(be
         torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+@pytest.mark.parametrize("be", ["tiled", qkv.kernels.TiledBackend(4, 8), "auto"], ids=str)
+def test_garbage_behind_a_float_mask_leaks_into_no_output_or_gradient(be, garbage):
+    # A −inf column of an additive bias excludes key 5 from every row, in tiles the layout
+    # keeps whole (a bias never empties a tile): its NaN key and value must reach nothing.
+    q, k, v = make_qkv(B=1, H=2, Nq=6, Nk=9, D=4)
+    bias = torch.zeros(6, 9)
+    bias[:, 5] = -torch.inf
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, 5] = garbage
+    v_bad[:, :, 5] = garbage
+    results = []
+    for kk, vv in ((k, v), (k_bad, v_bad)):
+        t = [x.clone().requires_grad_() for x in (q, kk, vv)]
+        out = qkv.attention(*t, mask=bias, backend=be)
+        grads = torch.autograd.grad(out.sum(), t)
+        keep = [0, 1, 2, 3, 4, 6, 7, 8]
+        results.append((out, grads[0], grads[1][:, :, keep], grads[2][:, :, keep]))
+    for clean, dirty in zip(*results, strict=True):
+        assert torch.isfinite(dirty).all()
+        torch.testing.assert_close(dirty, clean)
+
+
 @pytest.mark.parametrize("be", ["reference", "tiled", qkv.kernels.TiledBackend(4, 8)], ids=str)
 def test_nan_value_reaches_only_rows_that_see_it(be):
     # Causal: key 9 is visible to rows ≥ 9 only. A NaN in v[9] must poison exactly those rows.

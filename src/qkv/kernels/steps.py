@@ -98,6 +98,18 @@ class TileProblem:
             1, plan.kv_heads, plan.groups, 1, 1
         )
 
+    def values(self, v: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
+        """V's keys j0:j1 for rows i0:i1, with 0 in place of the keys a float bias excludes
+        (−inf) from every one of those rows: a bias never empties a tile, so without this a
+        NaN/inf there would reach the rows through 0 · NaN. Decided on the device from the
+        bias (an input), never from v's values. A key excluded from only some rows of the
+        strip is not replaced (nor guarded)."""
+        vt = v[:, :, j0:j1]
+        if self.bias5 is None or self.plan.dropout_p > 0:
+            return vt
+        out = torch.isneginf(_tile(self.bias5, i0, i1, j0, j1)).all(3).all(2)  # (B|1, Hkv|1, w|1)
+        return vt.masked_fill(out.unsqueeze(-1), 0.0)
+
     @functools.cached_property
     def layout(self) -> BlockLayout:
         """The plan's layout for this tiling (built or taken from qkv's cache on first use)."""
@@ -194,7 +206,7 @@ def fold_run(
     # A NaN/inf in a masked (or dropped) value must not reach a row: the columns of partial
     # tiles (all of them under dropout) are guarded; in full tiles every row sees every key.
     guarded = None if plan.dropout_p > 0 else tuple((a - j0, b - j0) for a, b in run.partial)
-    pv = guarded_pv(s, v[:, :, j0:j1], guarded)
+    pv = guarded_pv(s, T.values(v, i0, i1, j0, j1), guarded)
     if m is None:
         return m_new, l_run, pv
     alpha = torch.exp(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
