@@ -38,3 +38,36 @@ def test_a_nan_in_a_query_row_reaches_that_row_only(shape, dtype):
     rest = torch.ones_like(lse, dtype=torch.bool)
     rest[0, 0, Nq - 1] = False
     assert torch.isfinite(out[rest]).all() and torch.isfinite(lse[rest]).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_query_row_poisons_the_gradients_as_the_formula_does(bad, causal, dtype):
+    """NaN or ±inf in a query row: its output row and its dq row are non-finite, and so are
+    dK and dV of its kv head (the formula's P ∘ (dP − Δ) with a NaN row); the other kv head's
+    gradients and every other row's dq stay finite. A row that attends nothing keeps zeros."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 40, 16, generator=g)
+    k, v = (torch.randn(1, 2, 70, 16, generator=g) for _ in range(2))
+    q[0, 1, 33, 5] = bad  # head 1: kv head 0
+    t = [x.to(dtype).detach().clone().requires_grad_() for x in (q, k, v)]
+    out = qkv.attention(*t, causal=causal, backend="cpu")
+    out.float().sum().backward()
+    dq, dk, dv = (x.grad for x in t)
+    assert not torch.isfinite(out[0, 1, 33]).any()
+    assert not torch.isfinite(dq[0, 1, 33]).any()
+    assert not torch.isfinite(dk[0, 0]).any() and not torch.isfinite(dv[0, 0]).any()
+    others = torch.ones(4, 40, dtype=torch.bool)
+    others[1, 33] = False
+    assert torch.isfinite(dq[0][others]).all()
+    assert torch.isfinite(dk[0, 1]).all() and torch.isfinite(dv[0, 1]).all()
+    # the same row with no key to attend (a mask that leaves it empty): output and dq zero,
+    # dV finite, as the formula (whose dK = dSᵀ Q is 0 · NaN there, NaN, on every backend)
+    mask = torch.ones(40, 70, dtype=torch.bool)
+    mask[33] = False
+    t = [x.to(dtype).detach().clone().requires_grad_() for x in (q, k, v)]
+    out = qkv.attention(*t, mask=mask, backend="cpu")
+    out.float().sum().backward()
+    assert (out[0, :, 33] == 0).all() and torch.isfinite(t[0].grad).all()
+    assert torch.isfinite(t[2].grad).all()

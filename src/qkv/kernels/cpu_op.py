@@ -124,11 +124,29 @@ def backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dq, dk, dv)` of `cpu_forward`'s out and lse."""
     L = _layout(q, k, mask, causal, rule, held, block_q)
-    return load().backward(
+    dq, dk, dv = load().backward(
         dout, dlse, q, k, v, out, m, l, L.row_ptr, L.col_idx, L.code, L.col_ptr, L.row_idx,
         L.code_t, L.bits, L.q_starts, L.k_starts, L.block_q,
         scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
     )  # fmt: skip
+    return _poisoned_by_queries(q, k, out, dq, dk, dv)
+
+
+def _poisoned_by_queries(q, k, out, dq, dk, dv):
+    """The gradients the formula gives when a query row holding NaN/inf attends something:
+    its weights are all NaN (softmax of NaN scores), so its dq is NaN and, through
+    dS = P ∘ (dP − Δ), so is every dK and dV of its kv head (masked keys too: 0 · NaN). The
+    kernel's backward does not carry these NaNs (it reads non-finite values as 0, to keep
+    masked garbage out); they are put back here, decided on the device (no host read). A row
+    that attends nothing (its output 0, as the forward wrote it) keeps its zero gradients."""
+    B = q.shape[0]
+    if q.numel() == 0 or k.shape[2] == 0:
+        return dq, dk, dv
+    bad = ~torch.isfinite(q).all(-1) & ~torch.isfinite(out).all(-1)  # (B, H, Nq)
+    nan = torch.tensor(float("nan"), dtype=dq.dtype)
+    dq = torch.where(bad.unsqueeze(-1), nan, dq)
+    heads = bad.view(B, k.shape[1], -1).any(-1).view(B, -1, 1, 1)  # (B, Hkv, 1, 1)
+    return dq, torch.where(heads, nan, dk), torch.where(heads, nan, dv)
 
 
 cpu_backward = torch.library.custom_op("qkv::cpu_backward", backward_impl, mutates_args=())
