@@ -143,10 +143,12 @@ def _poisoned_by_queries(q, k, out, dq, dk, dv):
     if q.numel() == 0 or k.shape[2] == 0:
         return dq, dk, dv
     bad = ~torch.isfinite(q).all(-1) & ~torch.isfinite(out).all(-1)  # (B, H, Nq)
-    nan = torch.tensor(float("nan"), dtype=dq.dtype)
-    dq = torch.where(bad.unsqueeze(-1), nan, dq)
     heads = bad.view(B, k.shape[1], -1).any(-1).view(B, -1, 1, 1)  # (B, Hkv, 1, 1)
-    return dq, torch.where(heads, nan, dk), torch.where(heads, nan, dv)
+    # in place: the op's own results (their blocks may be reused, cpu/memory.py)
+    dq.masked_fill_(bad.unsqueeze(-1), float("nan"))
+    dk.masked_fill_(heads, float("nan"))
+    dv.masked_fill_(heads, float("nan"))
+    return dq, dk, dv
 
 
 cpu_backward = torch.library.custom_op("qkv::cpu_backward", backward_impl, mutates_args=())
