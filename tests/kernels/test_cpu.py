@@ -87,6 +87,16 @@ def test_gradient_error_ratio(be, case, causal, dtype):
     _check_grads(BACKENDS[be], q, k, v, dtype, causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gradients_of_a_large_group_in_passes_of_fewer_heads(causal):
+    # 5 query heads on one kv head over 2000 rows: the group's dQ tiles (5 × 2048 rows × 16
+    # doubles, 1.3 MB) pass the backward's cache budget (1 MiB), so each chunk of key columns is
+    # walked in passes of 4 heads and 1 (the last pass short), dK and dV kept between passes and
+    # each pass's dQ partials stored beside the others'.
+    q, k, v = make_qkv(B=1, H=5, Hkv=1, Nq=2000, D=16, requires_grad=True)
+    _check_grads("cpu", q, k, v, torch.float32, causal=causal)
+
+
 def test_gradients_of_a_long_row_in_float16():
     q, k, v = make_qkv(B=1, H=2, Nq=150, Nk=700, D=32, dtype=torch.float16, requires_grad=True)
     _check_grads(CpuBackend(), q, k, v, torch.float16, causal=True)
@@ -304,11 +314,12 @@ def test_the_backward_tiles_the_queries_by_its_own_block_size(monkeypatch, causa
     assert seen[0] == (128 if causal else 256)
 
 
-def test_results_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "gqa"])
+def test_results_do_not_depend_on_the_thread_count(hkv):
     # Work is cut by the problem (up to 4 threads), and partial results merge in a fixed order;
     # workers start on ranges of the items and steal halves of each other's (7 threads, more than
     # the CPUs here: steals while threads are descheduled), every item taken once.
-    q, k, v = make_qkv(B=1, H=2, Nq=300, Nk=2000, D=32, requires_grad=True)
+    q, k, v = make_qkv(B=1, H=2, Hkv=hkv, Nq=300, Nk=2000, D=32, requires_grad=True)
     m = masks.sliding_window(300) | masks.global_tokens([0, 7])
     dout = _dout((1, 2, 300, 32))
     results = []

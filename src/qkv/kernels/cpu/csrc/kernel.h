@@ -30,7 +30,9 @@
 //
 // each product in float chains of 32 terms (portable: CHAIN, 16; exactly, in double, for small
 // gradients: exact_sums in ops.cpp) summed in double, within and across tiles.
-// dQ tiles live in a small pool while the chunk's columns reach them (see BwdPlan).
+// dQ tiles live in a small pool while the chunk's columns reach them (see BwdPlan). Where the
+// whole group's live dQ tiles would not stay in cache (GQA over long rows), an item walks its
+// chunk once per few heads of the group, keeping dK_j and dV_j of every column between passes.
 
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -300,6 +302,8 @@ struct Buf {
   int8_t* exact;  // per row: this tile's scores formed exactly, with their low parts in slo
   double* pool;  // backward: live dQ tiles
   int64_t pool_cap;
+  double* dkv;   // backward, passes of a few heads: dK_j and dV_j of each column of the chunk
+  int64_t dkv_cap;
   PartsCache qc, dc;  // backward, float32 on the tiles: Q's rows' parts (the scores) and dO's
                       // (dP = dO Vᵀ), per pool slot and head of the group
   int64_t parts_cap;  // entries of each
@@ -416,6 +420,8 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   w.qa_on = w.qa_scaled = false;
   w.pool = nullptr;
   w.pool_cap = 0;
+  w.dkv = nullptr;
+  w.dkv_cap = 0;
   w.qc = w.dc = PartsCache{nullptr, nullptr, nullptr};
   w.parts_cap = 0;
   w.slot_of = w.free_slots = nullptr;
@@ -458,6 +464,7 @@ static int8_t parts_of(PartsCache& c, int64_t e, int64_t elems, int64_t bq, int6
 static void buf_free(Buf& w) {
   free(w.base);
   free(w.pool);
+  free(w.dkv);
   parts_free(w.qc);
   parts_free(w.dc);
   free(w.slot_of);
@@ -1097,35 +1104,37 @@ static void forward_worker(const Problem& P, const FwdPlan& F, ItemQueue* items,
 
 // ------------------------------------------------------------------------- backward
 
-static void write_dq(const Problem& P, int64_t b, int64_t hkv, int64_t r0, int64_t nr,
-                     const double* acc, float* tmp) {
+static void write_dq(const Problem& P, int64_t b, int64_t hkv, int64_t g0, int64_t g1, int64_t r0,
+                     int64_t nr, const double* acc, float* tmp) {
   const int64_t bq = P.lay.bq, Dp = P.Dp;
   const double scale = P.mods.scale64;
   const int64_t es = elem_size(P.dtype);
-  for (int64_t g = 0; g < P.G; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     const int64_t h = hkv * P.G + g;
     for (int64_t r = 0; r < nr; ++r) {
-      const double* a = acc + (g * bq + r) * Dp;
+      const double* a = acc + ((g - g0) * bq + r) * Dp;
       for (int64_t d = 0; d < P.D; ++d) tmp[d] = (float)(a[d] * scale);
       store_row((char*)P.dq + (((b * P.H + h) * P.Nq + r0 + r) * P.D) * es, P.dtype, tmp, P.D);
     }
   }
 }
 
-// the dQ of touched entry t is complete for this chunk: write it, or store it as this chunk's
-// partial and, if it is the last one, sum all partials in chunk order and write that
+// the dQ of heads g0 … g1 − 1 of touched entry t is complete for this chunk: write it, or store
+// it as this chunk's partial and, if it is the last one (of every chunk and pass), sum all
+// partials in chunk order and write that
 static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv, int64_t t,
-                     const double* acc, Buf& w) {
+                     int64_t g0, int64_t g1, const double* acc, Buf& w) {
   const int64_t bq = P.lay.bq, i = Bp.t_tile[t], r0 = tile_r0(P, i), nr = tile_nr(P, i);
-  const int64_t tile = P.G * bq * P.Dp;
+  const int64_t head = bq * P.Dp, tile = P.G * head;
   if (Bp.t_slot[t] < 0) {
-    write_dq(P, b, hkv, r0, nr, acc, w.tmp);
+    write_dq(P, b, hkv, g0, g1, r0, nr, acc, w.tmp);
     return;
   }
   double* dst = Bp.store + ((Bp.t_slot[t] * P.B + b) * P.Hkv + hkv) * tile;
-  __builtin_memcpy(dst, acc, (size_t)tile * 8);
+  __builtin_memcpy(dst + g0 * head, acc, (size_t)((g1 - g0) * head) * 8);
   const int64_t key = (b * P.Hkv + hkv) * P.lay.nqb + i;
-  const int64_t n = Bp.q_ptr[i + 1] - Bp.q_ptr[i];
+  const int64_t passes = (P.G + Bp.heads - 1) / Bp.heads;
+  const int64_t n = (Bp.q_ptr[i + 1] - Bp.q_ptr[i]) * passes;
   if (__atomic_fetch_add(&Bp.done[key], 1, __ATOMIC_ACQ_REL) + 1 != n) return;
   double* sum = w.acc;
   __builtin_memset(sum, 0, (size_t)tile * 8);
@@ -1133,7 +1142,7 @@ static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv
     const double* part = Bp.store + ((Bp.q_slots[s] * P.B + b) * P.Hkv + hkv) * tile;
     for (int64_t x = 0; x < tile; ++x) sum[x] += part[x];
   }
-  write_dq(P, b, hkv, r0, nr, sum, w.tmp);
+  write_dq(P, b, hkv, 0, P.G, r0, nr, sum, w.tmp);
 }
 
 // K_j, V_j of (b, hkv) as the backward reads them: rows and transposed (Vᵀ in double only where
@@ -1195,7 +1204,15 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, c = it.c;
   const int64_t Dp = P.Dp, Dvp = P.Dvp, code_stride = L.bm * L.hm * bq;
   const int64_t j0 = Bp.chunk_j[c], j1 = Bp.chunk_j[c + 1], t0 = Bp.chunk_t[c], t1 = Bp.chunk_t[c + 1];
-  const int64_t tile = G * bq * Dp, live = Bp.chunk_live[c];
+  // heads g0 … g1 − 1 per pass over the chunk; dK_j, dV_j of its columns kept between passes
+  const int64_t gs = Bp.heads, tile = gs * bq * Dp, live = Bp.chunk_live[c];
+  const int64_t kvs = BK * (Dp + Dvp), kv_need = gs < G ? (j1 - j0) * kvs : 0;
+  if (kv_need > w.dkv_cap) {
+    free(w.dkv);
+    w.dkv = (double*)aligned_alloc(64, (size_t)(kv_need * 8 + 64));
+    w.dkv_cap = w.dkv ? kv_need : 0;
+    if (!w.dkv) return false;
+  }
   if (live * tile > w.pool_cap) {
     free(w.pool);
     w.pool = (double*)aligned_alloc(64, (size_t)(live * tile * 8 + 64));
@@ -1204,9 +1221,9 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   }
   const int64_t qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
   const int64_t dpe = w.vb3 ? tile_a3_elems(bq, P.Dv) : 0;               // … of dO's rows
-  if (qpe && live * G > w.parts_cap) {
-    const bool ok = parts_alloc(w.qc, live * G, qpe, bq) && parts_alloc(w.dc, live * G, imax(dpe, 1), bq);
-    w.parts_cap = ok ? live * G : 0;
+  if (qpe && live * gs > w.parts_cap) {
+    const bool ok = parts_alloc(w.qc, live * gs, qpe, bq) && parts_alloc(w.dc, live * gs, imax(dpe, 1), bq);
+    w.parts_cap = ok ? live * gs : 0;
     if (!ok) return false;
   }
   if (imax(t1 - t0, live) > w.slot_cap) {
@@ -1220,9 +1237,6 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       return false;
     }
   }
-  int64_t n_free = live;
-  for (int64_t s = 0; s < live; ++s) w.free_slots[s] = (int32_t)(live - 1 - s);
-  int64_t next_first = t0, next_flush = 0;
   const double scale = P.mods.scale64;
   const bool cap = P.mods.cap != 0.0f;
   const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
@@ -1233,25 +1247,34 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   float* const dobuf = w.dO;
   const bool rows_in_place = P.dtype == DT_F32 && P.precise_scores && !P.dot_scores &&
                              P.D == P.Dp && P.Dv == P.Dvp && P.q.sn == P.Dp && P.dout.sn == P.Dvp;
+  for (int64_t g0 = 0; g0 < G; g0 += gs) {
+  const int64_t g1 = imin(G, g0 + gs);
+  int64_t n_free = live;
+  for (int64_t s = 0; s < live; ++s) w.free_slots[s] = (int32_t)(live - 1 - s);
+  int64_t next_first = t0, next_flush = 0;
   for (int64_t j = j0; j < j1; ++j) {
     while (next_first < t1 && Bp.t_first[next_first] == j) {
       const int32_t s = w.free_slots[--n_free];
       w.slot_of[next_first - t0] = s;
       __builtin_memset(w.pool + s * tile, 0, (size_t)tile * 8);
       if (qpe) {
-        __builtin_memset(w.qc.state + s * G, 0, (size_t)G);
-        __builtin_memset(w.dc.state + s * G, 0, (size_t)G);
+        __builtin_memset(w.qc.state + s * gs, 0, (size_t)gs);
+        __builtin_memset(w.dc.state + s * gs, 0, (size_t)gs);
       }
       ++next_first;
     }
     const int64_t e0 = L.col_ptr[j], e1 = L.col_ptr[j + 1];
     const int64_t c0 = tile_c0(P, j), kw = tile_kw(P, j);
     const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
+    double* const dk64 = gs < G ? w.dkv + (j - j0) * kvs : w.dk64;
+    double* const dv64 = gs < G ? dk64 + BK * Dp : w.dv64;
     if (e1 > e0) {
       bwd_pack(P, b, hkv, c0, kw, w);
       vt_ready = false;
-      __builtin_memset(w.dk64, 0, (size_t)(BK * Dp) * 8);
-      __builtin_memset(w.dv64, 0, (size_t)(BK * Dvp) * 8);
+      if (g0 == 0) {
+        __builtin_memset(dk64, 0, (size_t)(BK * Dp) * 8);
+        __builtin_memset(dv64, 0, (size_t)(BK * Dvp) * 8);
+      }
     }
     for (int64_t e = e0; e < e1; ++e) {
       const int64_t i = L.row_idx[e], code = L.code_t[e], r0 = tile_r0(P, i), nr = tile_nr(P, i);
@@ -1261,7 +1284,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       // not copied per (column, query tile); not the last query tile, so that reads a vector
       // past a tile's last row stay inside the tensor
       const bool in_place = rows_in_place && i + 1 < L.nqb;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         const int64_t h = hkv * G + g;
         w.q = in_place ? (float*)row_of(P.q, P.dtype, b, h, r0) : qbuf;
         w.dO = in_place ? (float*)row_of(P.dout, P.dtype, b, h, r0) : dobuf;
@@ -1270,7 +1293,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           bwd_row(P, b, h, r0, r, w, in_place);
           w.delta[r] = P.delta[idx];  // the row pass's Δ (delta_item)
         }
-        const int64_t ci = qpe ? w.slot_of[Bp.local[e]] * G + g : 0;  // the caches' entry
+        const int64_t ci = qpe ? w.slot_of[Bp.local[e]] * gs + g - g0 : 0;  // the caches' entry
         if (qpe) {  // the rows' parts, for the scores
           parts_of(w.qc, ci, qpe, bq, nr, P.D, w.q, Dp, tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
           w.qa = w.qc.parts + ci * qpe;
@@ -1322,33 +1345,33 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           }
         }
         if (P.exact_dkv) {
-          gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp);
-          gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp);
+          gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, dv64, Dvp);
+          gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, dk64, Dp);
         } else if (bwd_on_tiles(P)) {  // Pᵀ and dSᵀ in two parts (keys ≥ kw: P = dS = 0)
           tile_pack_a(BK, nr, w.p, BK, true, 2, w.ta);
-          tile_acc(BK, Dvp, nr, w.ta, 2, w.dO, Dvp, w.tb, w.dv64, Dvp);
+          tile_acc(BK, Dvp, nr, w.ta, 2, w.dO, Dvp, w.tb, dv64, Dvp);
           tile_pack_a(BK, nr, w.ds, BK, true, 2, w.ta);
-          tile_acc(BK, Dp, nr, w.ta, 2, w.q, Dp, w.tb, w.dk64, Dp);
+          tile_acc(BK, Dp, nr, w.ta, 2, w.q, Dp, w.tb, dk64, Dp);
         } else {
-          gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, w.dv64, Dvp, w.o, acc_chain);
-          gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, w.dk64, Dp, w.o, acc_chain);
+          gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, dv64, Dvp, w.o, acc_chain);
+          gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, dk64, Dp, w.o, acc_chain);
         }
         if (P.exact_dq) {
-          gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp);
+          gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + (g - g0) * bq * Dp, Dp);
         } else if (bwd_on_tiles(P)) {
           tile_pack_a(nr, BK, w.ds, BK, false, 2, w.ta);
-          tile_acc(nr, Dp, BK, w.ta, 2, w.kr, Dp, w.tb, qacc + g * bq * Dp, Dp);
+          tile_acc(nr, Dp, BK, w.ta, 2, w.kr, Dp, w.tb, qacc + (g - g0) * bq * Dp, Dp);
         } else {
-          gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + g * bq * Dp, Dp, w.o, acc_chain);
+          gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + (g - g0) * bq * Dp, Dp, w.o, acc_chain);
         }
       }
     }
-    if (e1 > e0) {
+    if (e1 > e0 && g1 == G) {
       for (int64_t jj = 0; jj < kw; ++jj) {
         const int64_t row = (b * P.Hkv + hkv) * P.Nk + c0 + jj;
-        for (int64_t d = 0; d < P.D; ++d) w.tmp[d] = (float)(w.dk64[jj * Dp + d] * scale);
+        for (int64_t d = 0; d < P.D; ++d) w.tmp[d] = (float)(dk64[jj * Dp + d] * scale);
         store_row((char*)P.dk + row * P.D * es, P.dtype, w.tmp, P.D);
-        for (int64_t d = 0; d < P.Dv; ++d) w.tmp[d] = (float)w.dv64[jj * Dvp + d];
+        for (int64_t d = 0; d < P.Dv; ++d) w.tmp[d] = (float)dv64[jj * Dvp + d];
         store_row((char*)P.dv + row * P.Dv * es, P.dtype, w.tmp, P.Dv);
       }
     }
@@ -1356,10 +1379,11 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       const int64_t t = t0 + Bp.t_flush[t0 + next_flush];
       if (Bp.t_last[t] != j) break;
       const int32_t s = w.slot_of[t - t0];
-      flush_dq(P, Bp, b, hkv, t, w.pool + s * tile, w);
+      flush_dq(P, Bp, b, hkv, t, g0, g1, w.pool + s * tile, w);
       w.free_slots[n_free++] = s;
       ++next_flush;
     }
+  }
   }
   w.q = qbuf;
   w.dO = dobuf;

@@ -157,9 +157,10 @@ struct BwdPlan {
   const int32_t* t_flush;     // per chunk, its touched entries (relative) sorted by t_last
   const int32_t* local;       // per transposed-CSR entry: its touched entry, relative to chunk
   const int32_t* chunk_live;  // (C) most tiles of chunk c accumulating at once
+  int64_t heads;              // query heads of the group per pass over a chunk (see bwd_item)
   const int64_t* q_ptr;       // (nqb + 1) per query tile: its store slots ...
   const int64_t* q_slots;     // ... in chunk order
-  int32_t* done;              // per (b, hkv, query tile): partials stored so far
+  int32_t* done;              // per (b, hkv, query tile): partials stored so far (one a pass)
   double* store;              // slots × B × Hkv × (G · bq · Dp)
 };
 
