@@ -54,10 +54,20 @@ def test_bounded_in_bytes_least_recently_used_first():
         cache.get("x", lambda i=i: torch.full((1000,), float(i)), owner=o)  # 4000 bytes each
     info = cache.info()
     assert info.entries == 3 and info.bytes == 12000
+    assert (info.misses, info.hits, info.evictions) == (5, 0, 2)
     # the first two were dropped: asking again builds anew
     built = []
     cache.get("x", lambda: built.append(1) or torch.zeros(1000), owner=owners[0])
     assert built == [1]
+    assert cache.info().evictions == 3
+    # an evicted entry's owner dying later removes nothing else (its keys were let go with it)
+    del owners[1]
+    gc.collect()
+    assert cache.info().entries == 3 and cache.info().bytes == 12000
+    # an owner's death drops exactly its own entries
+    del owners[0]
+    gc.collect()
+    assert cache.info().entries == 2 and cache.info().bytes == 8000
     # an entry larger than the budget is returned, not kept
     big = cache.get("big", lambda: torch.zeros(10_000))
     assert big.numel() == 10_000 and cache.info().bytes <= 12000

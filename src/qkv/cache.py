@@ -9,7 +9,9 @@ expensive to build and cheap to reuse, as FlexAttention users keep a `BlockMask`
   which Python reuses.
 - **Thread-safe**: one lock; two threads asking for the same missing entry may both build it
   (the first one stored wins), but never see a half-built one.
-- **Clearable**: `qkv.clear_caches()`; `qkv.cache_info()` says what it holds.
+- **Clearable**: `qkv.clear_caches()`; `qkv.cache_info()` says what it holds, its hits, misses
+  and evictions. Lookup, insertion and eviction are O(1) amortised at the bound, and an owner's
+  death costs O(its own entries).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class CacheInfo:
     max_bytes: int  # the budget
     hits: int
     misses: int
+    evictions: int  # entries dropped to stay within the budget
 
 
 class Cache:
@@ -73,7 +76,9 @@ class Cache:
         self._bytes = 0
         self._tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._counter = itertools.count(1)
-        self.hits = self.misses = 0
+        # owner token → its keys, so that an owner's death costs O(its own entries)
+        self._owned: dict[int, set] = {}
+        self.hits = self.misses = self.evictions = 0
 
     def _token(self, owner: object) -> int:
         """A number for `owner` that is never reused, and drops its entries when it dies."""
@@ -86,8 +91,14 @@ class Cache:
 
     def _forget(self, token: int) -> None:
         with self._lock:
-            for key in [k for k in self._entries if k[0] == token]:
+            for key in self._owned.pop(token, ()):
                 self._bytes -= self._entries.pop(key)[1]
+
+    def _drop(self, key: tuple, n: int) -> None:
+        self._bytes -= n
+        owned = self._owned.get(key[0])
+        if owned is not None:
+            owned.discard(key)
 
     def get(
         self,
@@ -114,19 +125,29 @@ class Cache:
             if n <= self.max_bytes and (owner is None or owner in self._tokens):
                 self._entries[full_key] = (value, n)
                 self._bytes += n
+                if full_key[0]:
+                    self._owned.setdefault(full_key[0], set()).add(full_key)
                 while self._bytes > self.max_bytes:
-                    self._bytes -= self._entries.popitem(last=False)[1][1]
+                    old, (_, m) = self._entries.popitem(last=False)
+                    self._drop(old, m)
+                    self.evictions += 1
         return value
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._owned.clear()
             self._bytes = 0
 
     def info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(
-                len(self._entries), self._bytes, self.max_bytes, self.hits, self.misses
+                len(self._entries),
+                self._bytes,
+                self.max_bytes,
+                self.hits,
+                self.misses,
+                self.evictions,
             )
 
 
@@ -149,5 +170,5 @@ def clear_caches() -> None:
 
 
 def cache_info() -> CacheInfo:
-    """How many entries and bytes qkv's cache holds, its budget, hits and misses."""
+    """How many entries and bytes qkv's cache holds, its budget, hits, misses and evictions."""
     return CACHE.info()

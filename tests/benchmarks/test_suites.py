@@ -23,6 +23,7 @@ SUITES = (
     "e2e",
     "gpu",
     "hf",
+    "hostile",
     "sparse",
     "vision",
 )

@@ -156,3 +156,16 @@ def test_inference_calls_reuse_their_gather_buffers_safely():
     torch.testing.assert_close(out2, _per_segment(*second), rtol=1e-5, atol=1e-5)
     packed.release_workspace()
     assert "buffers" not in packed._workspace.__dict__
+
+
+@pytest.mark.parametrize("layout", ["padded", "varlen"])
+def test_cu_seqlens_changed_in_place_between_calls(layout):
+    # The segments are read anew at every call: an encoder that reuses its cu_seqlens tensor
+    # for a new batch (same total, other cuts) gets the new batch's segments, never the old ones.
+    q, k, v, cu = _inputs([64, 64, 32, 96])
+    packed_attention(q, k, v, cu, layout=layout)
+    cu[1:4] = torch.tensor([32, 128, 160], dtype=cu.dtype)  # segments of 32, 96, 32, 96
+    out = packed_attention(q, k, v, cu, layout=layout)
+    ref = _per_segment(q, k, v, cu)
+    gold = _per_segment(*(t.double() for t in (q, k, v)), cu)
+    assert_error_ratio(out, ref, gold)
