@@ -173,3 +173,13 @@ def test_a_build_killed_half_way_does_not_stop_the_next(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert second.stdout.strip().splitlines()[-1] == "True"
     assert not list(folder.glob(f"{build.BUILDING}*"))
+
+
+def test_the_sanitizer_build_has_a_folder_of_its_own(monkeypatch):
+    """`QKV_CPU_SANITIZE=1` (CI's sanitizer job) never loads or overwrites the normal build."""
+    monkeypatch.delenv(build.SANITIZE_ENV, raising=False)
+    normal = build.build_dir()
+    monkeypatch.setenv(build.SANITIZE_ENV, "1")
+    assert build.sanitized() and build.build_dir() != normal
+    assert build.build_dir().name.endswith("-sanitized")
+    assert all(flag in build._cflags() for flag in build.SANITIZE_FLAGS)

@@ -191,8 +191,7 @@ def save(table: crossover.Table) -> Path:
         except (OSError, ValueError, TypeError, KeyError):
             tables = {}
     tables[table.isa] = table
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(crossover.to_json(tables), indent=1) + "\n")
-    tmp.replace(path)
+    text = json.dumps(crossover.to_json(tables), indent=1) + "\n"
+    build.write_atomic(path, lambda part: part.write_text(text))
     crossover.clear()
     return path

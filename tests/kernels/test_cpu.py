@@ -236,8 +236,9 @@ def test_non_contiguous_inputs_and_lower_ranks():
 
 
 def test_strided_and_contiguous_rows_give_the_same_gradients():
-    """The float32 backward reads contiguous rows of q and dout in place and copies strided
-    ones: the same values, so the same bits (N = 300: four query tiles and a last, copied one)."""
+    """The float32 backward reads contiguous rows of q and dout in place (strided ones, as
+    transformers hands them, are made contiguous once first): the same values, so the same bits
+    (N = 300: four query tiles and a last, copied one)."""
     g = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(1, 300, 4, 64, generator=g).transpose(1, 2) for _ in range(4))
     grads = []

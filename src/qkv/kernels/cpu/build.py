@@ -66,6 +66,15 @@ HEADERS = (
 # GOMP_* calls resolve at load time to the OpenMP runtime torch itself loaded (no second
 # runtime is linked), so the kernel runs on torch's thread pool and torch.set_num_threads holds.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
+# QKV_CPU_SANITIZE=1 (for CI and kernel developers): a separate build under AddressSanitizer and
+# UndefinedBehaviorSanitizer, any report fatal. Python must start with the ASan runtime first
+# (LD_PRELOAD=$(gcc -print-file-name=libasan.so), ASAN_OPTIONS=detect_leaks=0); .ci/run does.
+SANITIZE_ENV = "QKV_CPU_SANITIZE"
+SANITIZE_FLAGS = (
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+)
 FAILED = "build-failed.txt"
 MANIFEST = "library.json"  # size and sha256 of the library a build finished
 BUILDING = "building-"  # prefix of a build's own folder (inside the kernel's folder)
@@ -97,8 +106,17 @@ def _sources_hash() -> str:
     for name in (*SOURCES, *HEADERS):
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(_cflags()).encode())
     return h.hexdigest()[:16]
+
+
+def sanitized() -> bool:
+    """Whether this process builds and loads the sanitizer build (`QKV_CPU_SANITIZE=1`)."""
+    return os.environ.get(SANITIZE_ENV, "").strip() == "1"
+
+
+def _cflags() -> tuple[str, ...]:
+    return (*CFLAGS, *SANITIZE_FLAGS) if sanitized() else CFLAGS
 
 
 def build_dir() -> Path:
@@ -106,6 +124,8 @@ def build_dir() -> Path:
     cpu = hashlib.sha256(cpu_model().encode()).hexdigest()[:8]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     tag = f"torch{torch.__version__}-{py}-{platform.machine()}-cpu{cpu}-src{_sources_hash()}"
+    if sanitized():
+        tag += "-sanitized"
     return cache_root() / "cpu-kernel" / tag.replace("+", "_")
 
 
@@ -141,7 +161,8 @@ def _compile(folder: Path, verbose: bool) -> None:
     cpp_extension.load(
         name=NAME,
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=list(CFLAGS),
+        extra_cflags=list(_cflags()),
+        extra_ldflags=list(SANITIZE_FLAGS[:1]) if sanitized() else None,
         build_directory=str(folder),
         is_python_module=False,
         verbose=verbose,
@@ -176,7 +197,7 @@ def _load(folder: Path):
     return _ops
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Write `path` through a temporary name in its folder and a rename: readers see the old
     file or the new one, never a part."""
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
@@ -189,9 +210,9 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 def _install(built: Path, folder: Path) -> None:
     """Move a finished build's library into `folder`, then record its size and checksum."""
-    _write_atomic(_library(folder), lambda p: shutil.copyfile(_library(built), p))
+    write_atomic(_library(folder), lambda p: shutil.copyfile(_library(built), p))
     manifest = {**_digest(_library(folder)), "torch": torch.__version__}
-    _write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest) + "\n"))
+    write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest) + "\n"))
 
 
 def _clear_leftovers(folder: Path) -> None:

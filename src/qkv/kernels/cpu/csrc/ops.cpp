@@ -680,6 +680,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   P.lay = layout_of(row_ptr, col_idx, tile_code, col_ptr, row_idx, tile_code_t, bits, q_starts,
                     k_starts, block_q, P.Nq, P.Nk, P.B, P.H);
   at::Tensor dout_c = rows_dense(dout.to(in.q.scalar_type()));
+  // The column pass reads float32 rows of Q and dO in place where each row follows the last
+  // (rows_in_place in bwd_item), else copies them per key column, query tile and head.
+  // transformers hands both as views of (B, N, H, D), rows H·D apart: one copy of each here
+  // instead (GQA 14:2, D = 64, N = 8192 causal forward + backward: 0.92× → 1.08× SDPA).
+  if (P.dtype == DT_F32 && P.precise_scores && !P.dot_scores && P.D == P.Dp && P.Dv == P.Dvp) {
+    if (P.Nq > 1 && in.q.stride(2) != P.D) {
+      in.q = in.q.contiguous();
+      P.q = view_of(in.q);
+    }
+    if (P.Nq > 1 && dout_c.stride(2) != P.Dv) dout_c = dout_c.contiguous();
+  }
   at::Tensor out_c = rows_dense(out.to(in.q.scalar_type()));
   at::Tensor m_c = m.to(at::kFloat).contiguous(), l_c = l.to(at::kDouble).contiguous();
   TORCH_CHECK(m_c.numel() == P.B * P.H * P.Nq && l_c.numel() == m_c.numel(),
