@@ -36,6 +36,12 @@
 
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// 64-byte-aligned memory for `bytes` (rounded up to a whole 64: aligned_alloc wants a multiple of
+// the alignment, and at least one line, so that a size of 0, D = 0, is a real block)
+static inline void* alloc64(int64_t bytes) {
+  return aligned_alloc(64, (size_t)((imax(bytes, 1) + 63) & ~int64_t(63)));
+}
 static const float NEG_INF = -__builtin_inff();
 
 // Whether a row of one tile's scores (BK of them) holds a NaN: a NaN in q or k, which the
@@ -137,10 +143,11 @@ static inline const void* row_of(const View& x, int32_t dt, int64_t b, int64_t h
   return (const char*)x.data + (b * x.sb + h * x.sh + n * x.sn) * elem_size(dt);
 }
 
-// n values of a row in dtype → float, zero-filled up to npad
+// n values of a row in dtype → float, zero-filled up to npad (n = 0: src may be null, the data
+// pointer of an empty tensor, which memcpy must not be given even for no bytes)
 static inline void load_row(const void* src, int32_t dt, int64_t n, int64_t npad, float* dst) {
   if (dt == DT_F32) {
-    __builtin_memcpy(dst, src, (size_t)n * 4);
+    if (n > 0) __builtin_memcpy(dst, src, (size_t)n * 4);
   } else {
     const uint16_t* s = (const uint16_t*)src;
     if (dt == DT_BF16) {
@@ -154,7 +161,7 @@ static inline void load_row(const void* src, int32_t dt, int64_t n, int64_t npad
 
 static inline void store_row(void* dst, int32_t dt, const float* x, int64_t n) {
   if (dt == DT_F32) {
-    __builtin_memcpy(dst, x, (size_t)n * 4);
+    if (n > 0) __builtin_memcpy(dst, x, (size_t)n * 4);
   } else if (dt == DT_BF16) {
     uint16_t* d = (uint16_t*)dst;
     for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(x[i]);
@@ -367,7 +374,7 @@ static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
   bytes += (pa_elems * 2 + 63) & ~int64_t(63);
   const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, R};
   for (int64_t d : doubles) bytes += (d * 8 + 63) & ~int64_t(63);
-  w.base = (char*)aligned_alloc(64, (size_t)((bytes + 63) & ~int64_t(63)));
+  w.base = (char*)alloc64(bytes);
   if (!w.base) return false;
   char* cur = w.base;
   w.q = (float*)carve(cur, R * Dp * 4);
@@ -444,7 +451,7 @@ static void parts_free(PartsCache& c) {
 // room for n entries of `elems` parts each (rows of bq); false when out of memory
 static bool parts_alloc(PartsCache& c, int64_t n, int64_t elems, int64_t bq) {
   parts_free(c);
-  c.parts = (uint16_t*)aligned_alloc(64, (size_t)(n * elems * 2 + 64));
+  c.parts = (uint16_t*)alloc64(n * elems * 2 + 64);
   c.bad = (int8_t*)malloc((size_t)(n * bq));
   c.state = (int8_t*)malloc((size_t)n);
   return c.parts && c.bad && c.state;
@@ -770,12 +777,12 @@ static int64_t group_spans(const Problem& P, int64_t code, uint64_t edge, int64_
 constexpr int64_t KT_SLOTS = 16;
 
 static bool ktc_alloc(Buf& w, const Problem& P) {
-  w.ktc = (float*)aligned_alloc(64, (size_t)(KT_SLOTS * P.Dp * BK) * 4);
+  w.ktc = (float*)alloc64(KT_SLOTS * P.Dp * BK * 4);
   w.ktag = (int64_t*)malloc(KT_SLOTS * 8);
   w.kmaxc = (double*)malloc(KT_SLOTS * 8);
   if (!w.ktc || !w.ktag || !w.kmaxc) return false;
   if (scores_on_tiles(P)) {
-    w.kbc = (uint32_t*)aligned_alloc(64, (size_t)(KT_SLOTS * tile_b3_elems(P.D)) * 4);
+    w.kbc = (uint32_t*)alloc64(KT_SLOTS * tile_b3_elems(P.D) * 4);
     w.kbadc = (uint64_t*)malloc(KT_SLOTS * 8);
     if (!w.kbc || !w.kbadc) return false;
   }
@@ -1209,14 +1216,15 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   const int64_t kvs = BK * (Dp + Dvp), kv_need = gs < G ? (j1 - j0) * kvs : 0;
   if (kv_need > w.dkv_cap) {
     free(w.dkv);
-    w.dkv = (double*)aligned_alloc(64, (size_t)(kv_need * 8 + 64));
+    w.dkv = (double*)alloc64(kv_need * 8 + 64);
     w.dkv_cap = w.dkv ? kv_need : 0;
     if (!w.dkv) return false;
   }
-  if (live * tile > w.pool_cap) {
+  const int64_t pool_need = imax(live * tile, 1);  // D = 0: a tile of no doubles, a real pool
+  if (pool_need > w.pool_cap) {
     free(w.pool);
-    w.pool = (double*)aligned_alloc(64, (size_t)(live * tile * 8 + 64));
-    w.pool_cap = w.pool ? live * tile : 0;
+    w.pool = (double*)alloc64(pool_need * 8 + 64);
+    w.pool_cap = w.pool ? pool_need : 0;
     if (!w.pool) return false;
   }
   const int64_t qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts

@@ -47,7 +47,7 @@ class ResultMemory final : public c10::Allocator {
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
+    if (count > 0) std::memcpy(dest, src, count);
   }
 
   // Unmap every kept block; the bytes unmapped.
