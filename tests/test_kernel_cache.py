@@ -8,34 +8,18 @@ with no compiler (`CXX` pointing nowhere) a rebuild fails at once, so the cases 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from benchmarks.suites.hostile import READ_ONLY_PRELUDE, good_build, kill_a_build_half_way
 
 from qkv.kernels.cpu import build
 
-_PROGRAM = """
-import errno, os, sys
-if os.environ.get("READ_ONLY"):  # the cache folder behaves as on a read-only file system
-    import builtins, pathlib
-    root = os.environ["QKV_CACHE_DIR"]
-    def refuse(path):
-        raise OSError(errno.EROFS, "Read-only file system", str(path))
-    real_open, real_mkdir, real_mkdtemp = builtins.open, os.mkdir, None
-    def ro_open(file, mode="r", *args, **kwargs):
-        if str(file).startswith(root) and any(c in mode for c in "wax+"):
-            refuse(file)
-        return real_open(file, mode, *args, **kwargs)
-    def ro_mkdir(path, *args, **kwargs):
-        if str(path).startswith(root):
-            refuse(path)
-        return real_mkdir(path, *args, **kwargs)
-    builtins.open, os.mkdir = ro_open, ro_mkdir
+_PROGRAM = (
+    READ_ONLY_PRELUDE
+    + """
 import torch, qkv
 q, k, v = (torch.randn(1, 2, 300, 8) for _ in range(3))
 d = qkv.dispatch(q, k, v, return_lse=True)
@@ -45,20 +29,14 @@ print(d.name)
 print(d.reasons.get("cpu"))
 print(float((out - ref).abs().max()))
 """
+)
 
 
 def _good_build(cache: Path) -> Path:
-    """A copy of this machine's good build in `cache`, where a process with QKV_CACHE_DIR=cache
-    looks for it; the folder."""
     if build.status() is not None:
         pytest.skip(f"no compiled kernel here: {build.status()}")
-    src = build.build_dir()
-    assert build._verified(src), "the build in use has no manifest"
-    dst = cache / "cpu-kernel" / src.name
-    dst.mkdir(parents=True)
-    for name in (f"{build.NAME}.so", build.MANIFEST):
-        shutil.copy2(src / name, dst / name)
-    return dst
+    assert build._verified(build.build_dir()), "the build in use has no manifest"
+    return good_build(cache)
 
 
 def _run(cache: Path, **env: str) -> tuple[str, str, str]:
@@ -152,21 +130,8 @@ def test_a_build_killed_half_way_does_not_stop_the_next(tmp_path):
     if build.status() is not None:
         pytest.skip(f"no compiled kernel here: {build.status()}")
     env = {**os.environ, "QKV_CACHE_DIR": str(tmp_path)}
-    first = subprocess.Popen(
-        [sys.executable, "-c", _BUILD],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    kill_a_build_half_way(tmp_path)
     folder = tmp_path / "cpu-kernel" / build.build_dir().name
-    deadline = time.monotonic() + 120
-    while not list(folder.glob(f"{build.BUILDING}*/build.ninja")):
-        assert time.monotonic() < deadline and first.poll() is None, "the build never started"
-        time.sleep(0.2)
-    time.sleep(2.0)  # the compilers are running
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
     second = subprocess.run(
         [sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True, timeout=600
     )

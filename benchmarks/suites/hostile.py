@@ -38,11 +38,11 @@ from .. import report as rp
 from ..machine import progress
 from ..suite import Stage, Suite, Target
 
-# One program for every process case: its argument names the case, its last line is JSON.
-_CHILD = r"""
-import errno, json, os, sys
-case = sys.argv[1]
-if os.environ.get("READ_ONLY"):  # the cache folder behaves as on a read-only file system
+# Run first by a child process: with READ_ONLY set, its cache folder behaves as on a read-only
+# file system (writes and mkdir there raise EROFS). Shared with tests/test_kernel_cache.py.
+READ_ONLY_PRELUDE = r"""
+import errno, os
+if os.environ.get("READ_ONLY"):
     import builtins
     root = os.environ["QKV_CACHE_DIR"]
     def refuse(path):
@@ -57,6 +57,14 @@ if os.environ.get("READ_ONLY"):  # the cache folder behaves as on a read-only fi
             refuse(path)
         return real_mkdir(path, *a, **k)
     builtins.open, os.mkdir = ro_open, ro_mkdir
+"""
+
+# One program for every process case: its argument names the case, its last line is JSON.
+_CHILD = (
+    READ_ONLY_PRELUDE
+    + r"""
+import json, sys
+case = sys.argv[1]
 import torch, qkv
 from qkv import masks
 torch.manual_seed(0)
@@ -132,8 +140,9 @@ elif case == "fork":
     out.update(child_status=status)
 print(json.dumps(out))
 """
+)
 
-_BUILD = "from qkv.kernels.cpu import build; build.load(); print('{\"built\": true}')"
+BUILD = "from qkv.kernels.cpu import build; build.load(); print('{\"built\": true}')"
 
 
 def _run(
@@ -164,7 +173,9 @@ def _run(
     return res
 
 
-def _good_build(cache: Path) -> Path:
+def good_build(cache: Path) -> Path:
+    """A copy of this machine's good build in `cache`, where a process with QKV_CACHE_DIR=cache
+    looks for it; the folder. Shared with tests/test_kernel_cache.py."""
     from qkv.kernels.cpu import build
 
     src = build.build_dir()
@@ -228,7 +239,7 @@ def process_cases(settings: dict[str, Any], results: Any) -> list[dict[str, Any]
     try:
         for isa in _isas():
             cache = fresh()
-            _good_build(cache)
+            good_build(cache)
             r = _run("empty", cache, QKV_CPU_ISA=isa)
             ok = r["rc"] == 0 and r.get("right", 0) + r.get("errors", 0) == r.get("shapes")
             out.append(
@@ -242,7 +253,7 @@ def process_cases(settings: dict[str, Any], results: Any) -> list[dict[str, Any]
                 )
             )
         cache = fresh()
-        _good_build(cache)
+        good_build(cache)
         r = _run("stale", cache)
         worst = max((r.get("errors") or {"-": float("inf")}).values())
         out.append(
@@ -277,7 +288,7 @@ def process_cases(settings: dict[str, Any], results: Any) -> list[dict[str, Any]
             )
         )
         cache = fresh()
-        _good_build(cache)
+        good_build(cache)
         r = _run("attend", cache, READ_ONLY="1")
         out.append(
             _case(
@@ -302,7 +313,7 @@ def process_cases(settings: dict[str, Any], results: Any) -> list[dict[str, Any]
         )
         for how in ("truncated", "corrupted", "empty"):
             cache = fresh()
-            _damage(_good_build(cache), how)
+            _damage(good_build(cache), how)
             r = _run("attend", cache, **NO_CXX)
             out.append(
                 _case(
@@ -330,7 +341,7 @@ def process_cases(settings: dict[str, Any], results: Any) -> list[dict[str, Any]
         out.append(_concurrent(fresh()))
         out.append(_killed(fresh()))
         cache = fresh()
-        _good_build(cache)
+        good_build(cache)
         for threads, promise in ((None, "hangs (documented)"), ("1", "runs")):
             r = _run(
                 "fork",
@@ -368,7 +379,7 @@ def _concurrent(cache: Path) -> dict[str, Any]:
     env = {**os.environ, "QKV_CACHE_DIR": str(cache)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _BUILD],
+            [sys.executable, "-c", BUILD],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -393,14 +404,15 @@ def _concurrent(cache: Path) -> dict[str, Any]:
     )
 
 
-def _killed(cache: Path) -> dict[str, Any]:
-    """SIGKILL of the process group compiling the kernel, then a new process: it builds."""
+def kill_a_build_half_way(cache: Path) -> None:
+    """Start a process that builds the kernel into `cache`, and SIGKILL its process group while
+    the compilers run (an OOM kill, a closed terminal, a CI timeout). Shared with
+    tests/test_kernel_cache.py."""
     from qkv.kernels.cpu import build
 
-    t0 = time.perf_counter()
     env = {**os.environ, "QKV_CACHE_DIR": str(cache)}
     first = subprocess.Popen(
-        [sys.executable, "-c", _BUILD],
+        [sys.executable, "-c", BUILD],
         env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
@@ -408,11 +420,20 @@ def _killed(cache: Path) -> dict[str, Any]:
     )
     folder = cache / "cpu-kernel" / build.build_dir().name
     deadline = time.monotonic() + 120
-    while not list(folder.glob(f"{build.BUILDING}*/build.ninja")) and time.monotonic() < deadline:
+    while not list(folder.glob(f"{build.BUILDING}*/build.ninja")):
+        if time.monotonic() > deadline or first.poll() is not None:
+            first.kill()
+            raise RuntimeError("the build never started")
         time.sleep(0.2)
     time.sleep(2.0)  # the compilers are running
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
+
+
+def _killed(cache: Path) -> dict[str, Any]:
+    """A build killed half-way, then a new process: it builds."""
+    t0 = time.perf_counter()
+    kill_a_build_half_way(cache)
     r = _run("attend", cache, timeout=900)
     r["seconds"] = time.perf_counter() - t0
     return _case(
