@@ -148,3 +148,22 @@ def test_budget_from_the_environment(monkeypatch):
     monkeypatch.setenv("QKV_CACHE_MB", "lots")
     with pytest.raises(ValueError, match="QKV_CACHE_MB must be a number of MiB"):
         cache_mod.budget()
+
+
+def test_latest_keeps_one_entry_per_key_whatever_the_version():
+    c = Cache(max_bytes=1 << 20)
+    owner = masks.causal()
+    built = []
+
+    def build(n):
+        built.append(n)
+        return torch.zeros(n)
+
+    for n in (3, 3, 4, 4, 4, 3):
+        assert c.latest("step", n, lambda n=n: build(n), owner=owner).numel() == n
+    assert built == [3, 4, 3]  # rebuilt when the version changes, reused while it holds
+    info = c.info()
+    assert (info.entries, info.bytes, info.hits, info.misses) == (1, 3 * 4, 3, 3)
+    del owner
+    gc.collect()
+    assert c.info().entries == 0 and c.info().bytes == 0

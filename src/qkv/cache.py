@@ -122,16 +122,49 @@ class Cache:
         with self._lock:
             if full_key in self._entries:  # another thread built it meanwhile
                 return self._entries[full_key][0]
-            if n <= self.max_bytes and (owner is None or owner in self._tokens):
-                self._entries[full_key] = (value, n)
-                self._bytes += n
-                if full_key[0]:
-                    self._owned.setdefault(full_key[0], set()).add(full_key)
-                while self._bytes > self.max_bytes:
-                    old, (_, m) = self._entries.popitem(last=False)
-                    self._drop(old, m)
-                    self.evictions += 1
+            self._store(full_key, value, n, owner)
         return value
+
+    def latest(
+        self,
+        key: Hashable,
+        version: Hashable,
+        build: Callable[[], Any],
+        owner: object | None = None,
+        size: Callable[[Any], int] = nbytes,
+    ) -> Any:
+        """Like `get`, but one entry per (owner, key) whatever the `version`: the value if it
+        was built for this version, else `build()`, which replaces it. For what changes at
+        every call of a loop (a decoding step's key length) and is reused within the step."""
+        with self._lock:
+            full_key = (0 if owner is None else self._token(owner), key)
+            hit = self._entries.get(full_key)
+            if hit is not None and hit[0][0] == version:
+                self._entries.move_to_end(full_key)
+                self.hits += 1
+                return hit[0][1]
+            self.misses += 1
+        value = build()
+        n = size(value)
+        with self._lock:
+            old = self._entries.pop(full_key, None)
+            if old is not None:
+                self._drop(full_key, old[1])
+            self._store(full_key, (version, value), n, owner)
+        return value
+
+    def _store(self, full_key: tuple, value: Any, n: int, owner: object | None) -> None:
+        """Keep `value` (n bytes) under `full_key` and evict down to the budget; lock held."""
+        if n > self.max_bytes or (owner is not None and owner not in self._tokens):
+            return
+        self._entries[full_key] = (value, n)
+        self._bytes += n
+        if full_key[0]:
+            self._owned.setdefault(full_key[0], set()).add(full_key)
+        while self._bytes > self.max_bytes:
+            old, (_, m) = self._entries.popitem(last=False)
+            self._drop(old, m)
+            self.evictions += 1
 
     def clear(self) -> None:
         with self._lock:

@@ -463,10 +463,11 @@ def segment_tiles(
     """Tiles cut at the segments of a packed-sequence rule (`Mask.segments`): each segment's
     rows in pieces of at most `block_q`, its keys in pieces of at most `block_k`; a segment's
     own tiles are the candidates (no pair crosses a segment), classified by the causal flag and
-    the rule's tile bounds. None when the rule has no segments or no bounds, or when the
+    the rule's tile bounds. None when the rule has no segments or no bounds, when every segment
+    starts on the uniform grid's tile boundaries (the cut would be that grid), or when the
     candidates number more than `max_candidates`."""
     cu = None if rule is None or not rule.has_bounds else rule.segments(q_len, kv_len)
-    if cu is None:
+    if cu is None or bool((cu[0] % block_q == 0).all() and (cu[1] % block_k == 0).all()):
         return None
     q_starts, q_seg = tile_starts(cu[0], block_q)
     k_starts, k_seg = tile_starts(cu[1], block_k)
@@ -520,6 +521,16 @@ def block_layout(
     held = BlockLayout(**{**lay.__dict__, "mask": mask})
     held.rows()  # the kept tiles as Python lists, read here once, not by the kernel's call
     return held
+
+
+def row_intervals(rule: Any, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(lo, hi)`, each int64 `(R, Nq)`: the keys query row i may reach are exactly the union of
+    [lo[k, i], hi[k, i]] (unclipped; empty where lo > hi), for a rule with exact key ranges
+    (`Mask.exact_ranges`); None for other rules. Rows sit at positions i + Nk − Nq."""
+    if rule is None or not rule.exact_ranges:
+        return None
+    pos = torch.arange(kv_len - q_len, kv_len)
+    return rule.key_ranges(pos, pos, kv_len)
 
 
 def dense_kinds(rule: Any, nq: int, nk: int, block_q: int, block_k: int) -> torch.Tensor:

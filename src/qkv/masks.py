@@ -61,6 +61,7 @@ class Mask:
         check: Callable[[int, int], None] | None = None,
         ranges: Ranges | None = None,
         segments: Segments | None = None,
+        exact_ranges: bool = False,
     ):
         if (fn is None) == (rule is None):
             raise TypeError("Mask needs exactly one of fn(b, h, q, kv) or rule")
@@ -74,6 +75,8 @@ class Mask:
         self.heads = heads  # the head count the rule is written for, or None if independent
         self._check = check
         self._segments = segments
+        # `ranges` of one position (q_lo == q_hi) are exactly its allowed keys, for every b, h
+        self.exact_ranges = exact_ranges and ranges is not None and batch is None and heads is None
 
     def __repr__(self) -> str:
         return self.name
@@ -326,6 +329,7 @@ def _combine(a: Mask, c: Mask, op: str) -> Mask:
         rule=rule,
         bounds=bounds,
         ranges=ranges,
+        exact_ranges=a.exact_ranges and c.exact_ranges,
         name=f"{_paren(a)} {op} {_paren(c)}",
         batch=a.batch if a.batch is not None else c.batch,
         heads=a.heads if a.heads is not None else c.heads,
@@ -387,6 +391,7 @@ def causal() -> Mask:
         rule=lambda b, h, q, kv, n: kv <= q,
         bounds=lambda b, h, ql, qh, kl, kh, n: (kl <= qh, kh <= ql),
         ranges=lambda ql, qh, n: _span(0, qh, ql),
+        exact_ranges=True,
         name="causal()",
     )
 
@@ -399,6 +404,7 @@ def sliding_window(left: int, right: int | None = None) -> Mask:
     return Mask(
         rule=lambda b, h, q, kv, n: (kv >= q - left) & (kv <= q + right),
         ranges=lambda ql, qh, n: _span(ql - left, qh + right, ql),
+        exact_ranges=True,
         bounds=lambda b, h, ql, qh, kl, kh, n: (
             (kl <= qh + right) & (kh >= ql - left),
             (kl >= qh - left) & (kh <= ql + right),
@@ -472,6 +478,7 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> Mask:
         rule=lambda b, h, q, kv, n: is_global(q) | is_global(kv),
         bounds=bounds,
         ranges=ranges,
+        exact_ranges=True,
         name=f"global_tokens({shown})".replace("'", ""),
         check=check,
     )
@@ -555,6 +562,7 @@ def document(lengths: Sequence[int] | torch.Tensor) -> Mask:
         rule=rule,
         bounds=bounds,
         ranges=ranges,
+        exact_ranges=True,
         segments=segments,
         name=f"document({lens})",
         check=check,
@@ -565,6 +573,7 @@ def _key_below(n_prefix: int) -> Mask:
     return Mask(
         rule=lambda b, h, q, kv, n: kv < n_prefix,
         ranges=lambda ql, qh, n: _span(0, n_prefix - 1, ql),
+        exact_ranges=True,
         bounds=lambda b, h, ql, qh, kl, kh, n: (
             (kl < n_prefix) & (qh >= ql),
             (kh < n_prefix) & (qh >= ql),

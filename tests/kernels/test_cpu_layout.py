@@ -142,6 +142,9 @@ import time, torch
 from qkv import masks
 from qkv.plan import make_plan
 from qkv.kernels.cpu import layout as lay
+from qkv.kernels.cpu import load
+if LOAD:  # the compiled kernel's one-pass build; else the tile-by-tile examination
+    assert load() is not None
 
 def hwm():
     for line in open("/proc/self/status"):
@@ -159,12 +162,15 @@ print(time.perf_counter() - start, hwm() - before, L.kept_tiles, L.partial_tiles
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_a_million_token_sliding_window_builds_in_seconds_and_o_kept_tiles_memory():
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_a_million_token_sliding_window_builds_in_seconds_and_o_kept_tiles_memory(one_pass):
+    if one_pass:
+        _needs_kernel()
     # N = 1,048,576: 16384 × 16384 tiles, of which ~0.05% are kept. A fresh process, so its
     # peak RSS (VmHWM) is this build's: the 64 rows × 8 bytes of bits of each PARTIAL tile
     # (16 MiB here) and O(kept tiles) around it, never O(tiles²) (that would be 256 MiB a byte).
     res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(MILLION)],
+        [sys.executable, "-c", f"LOAD = {one_pass}\n" + textwrap.dedent(MILLION)],
         capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     seconds, grew, kept, partial, bits = res.stdout.split(maxsplit=4)
@@ -223,7 +229,8 @@ def test_packed_segments_cut_the_tiles_at_their_boundaries(cu_q, cu_k, causal):
     nq, nk = int(cu_q[-1]), int(cu_k[-1])
     q, k, v = make_qkv(B=1, H=2, Nq=nq, Nk=nk, D=8)
     plan = make_plan(q, k, v, mask=rule)
-    L = lay.segment_layout(plan, 32)
+    uniform = layout_for(plan, 32, 64).nnz
+    L = lay.segment_layout(plan, 32, uniform)
     assert L is not None and L.q_starts is not None and L.k_starts is not None
     qs, ks = _starts(L)
     assert set(cu_q.tolist()) <= set(qs) and set(cu_k.tolist()) <= set(ks)
@@ -231,7 +238,6 @@ def test_packed_segments_cut_the_tiles_at_their_boundaries(cu_q, cu_k, causal):
     if not causal:  # bidirectional segments: every kept tile is FULL, no bits at all
         assert L.partial_tiles == 0
     # the kernel takes the cut where it keeps no more tiles than the grid
-    uniform = layout_for(plan, 32, 64).nnz
     assert (lay.kernel_layout(plan, 32).q_starts is not None) == (L.kept_tiles <= uniform)
 
 
@@ -263,14 +269,14 @@ def _key_mask(shape, p: float, seed: int) -> torch.Tensor:
 )
 @pytest.mark.parametrize("p", [0.0, 0.8, 1.0])
 @pytest.mark.parametrize("block_q", [16, 64])
-def test_key_mask_layout_equals_the_general_encoding(nq, nk, shape, causal, p, block_q):
+def test_a_key_mask_layout_equals_the_general_encoding(nq, nk, shape, causal, p, block_q):
     """The key-padding fast path gives the arrays `encode(layout_for(...))` gives."""
     _needs_kernel()
     mask = _key_mask(shape, p, seed=nq + nk)
     if shape[-1] == 1:
         mask = torch.ones(shape, dtype=torch.bool)
     plan = _plan(mask, causal, nq, nk)
-    fast = lay.key_mask_layout(plan, block_q)
+    fast = lay.interval_layout(plan, block_q)
     assert fast is not None
     slow = lay.encode(plan, layout_for(plan, block_q, lay.BLOCK_K))
     for name in ("row_ptr", "col_idx", "code", "col_ptr", "row_idx", "code_t", "bits"):
@@ -278,15 +284,74 @@ def test_key_mask_layout_equals_the_general_encoding(nq, nk, shape, causal, p, b
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+EXACT = {
+    "window": masks.sliding_window(20),
+    "causal window": masks.causal() & masks.sliding_window(70, 0),
+    "longformer": masks.sliding_window(9) | masks.global_tokens([0, 1, 2, 77, 150]),
+    "documents": masks.document([40, 100, 0, 60]),
+    "prefix LM": masks.prefix_lm(70),
+    "window within documents": masks.sliding_window(30) & masks.document([120, 80]),
+    "globals or causal": masks.global_tokens([5, 6, 199]) | masks.causal(),
+}
+
+
+@pytest.mark.parametrize("nq", [200, 130, 1])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_q", [16, 64])
+@pytest.mark.parametrize("name", list(EXACT))
+def test_a_rule_with_exact_ranges_builds_in_one_pass(name, block_q, causal, nq):
+    """A rule's exact key ranges give its allowed pairs in one pass over the tiles: exactly the
+    mask's pairs, in no more tiles than the general encoding keeps, FULL wherever it is FULL."""
+    _needs_kernel()
+    rule = EXACT[name]
+    assert rule.exact_ranges
+    plan = _plan(rule, causal, nq, 200)
+    fast = lay.interval_layout(plan, block_q)
+    assert fast is not None and fast.bits.shape[1:3] == (1, 1)
+    want = rule.dense4(nq, 200)[0, 0]
+    if causal:
+        want = want & torch.ones(nq, 200, dtype=torch.bool).tril(200 - nq)
+    assert torch.equal(_dense(fast, 1, 1)[0, 0], want)
+    slow = _kinds(lay.encode(plan, layout_for(plan, block_q, lay.BLOCK_K)))
+    mine = _kinds(fast)
+    assert not bool(((mine != EMPTY) & (slow == EMPTY)).any())
+    assert bool((mine[slow == FULL] == FULL).all())
+
+
 def _needs_kernel():
     from qkv.kernels import cpu
 
     if cpu.status() is not None:
-        pytest.skip(f"the compiled kernel builds the key layout: {cpu.status()}")
+        pytest.skip(f"the compiled kernel builds the interval layout: {cpu.status()}")
 
 
-def test_key_mask_layout_declines_other_masks():
+def test_the_interval_layout_declines_other_masks():
     _needs_kernel()
     plan = _plan(_key_mask((2, 1, 200, 200), 0.8, 0), False)  # varies by row
-    assert lay.key_mask_layout(plan, 64) is None
-    assert lay.key_mask_layout(_plan(masks.sliding_window(20), False), 64) is None
+    assert lay.interval_layout(plan, 64) is None
+    for rule in (
+        masks.dilated_window(4, 2),  # not an interval
+        masks.padding([200, 70]),  # differs by batch element
+        ~masks.sliding_window(20),
+        masks.sliding_window(20) & masks.Mask(lambda b, h, q, kv: kv % 2 == 0),
+        masks.strided(8),
+    ):
+        assert not rule.exact_ranges
+        assert lay.interval_layout(_plan(rule, False), 64) is None
+
+
+def test_a_decoding_loop_keeps_one_entry_shared_by_the_layers_of_a_step():
+    _needs_kernel()
+    CACHE.clear()
+    before = CACHE.info()
+    rule = masks.sliding_window(100) | masks.global_tokens([0])
+    for nk in range(300, 340):
+        for _layer in range(3):
+            a = lay.kernel_layout(_plan(rule, True, nq=1, nk=nk), 64)
+            b = lay.kernel_layout(_plan(None, True, nq=1, nk=nk), 64)
+            assert (a.kv_len, b.kv_len) == (nk, nk)
+    info = CACHE.info()
+    assert info.entries == 2
+    assert (info.misses - before.misses, info.hits - before.hits) == (2 * 40, 2 * 40 * 2)
+    want = rule.dense4(1, 339)[0, 0]
+    assert torch.equal(_dense(a, 1, 1)[0, 0], want)

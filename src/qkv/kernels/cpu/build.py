@@ -43,7 +43,7 @@ NAME = "qkv_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (
     "ops.cpp",
-    "key_layout.cpp",
+    "tile_layout.cpp",
     "isa_amx.cpp",
     "isa_avx512.cpp",
     "isa_avx2.cpp",

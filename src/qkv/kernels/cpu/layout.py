@@ -22,11 +22,18 @@ its keys in pieces of at most 64, and only a segment's own tiles kept. Short seg
 start on a multiple of 64 (the windows of a vision encoder) then cost one tile each instead of
 pieces of two or three; the cut is taken when it keeps no more tiles than the uniform grid.
 
-The bits are evaluated with `qkv.layout.allowed` on the PARTIAL tiles only, a chunk of tiles at
-a time, so memory stays O(kept tiles): a sliding window at N = 1,048,576 builds in seconds and a
-few MiB. `kernel_layout` keeps the result in qkv's cache (`qkv.cache.CACHE`) beside the
-layout: per Mask (held weakly) for structured masks, by shape for plain and causal problems,
-never for bool mask tensors (their content may change between calls).
+Where each query row's allowed keys are a union of intervals (no mask; a rule with exact key
+ranges, `Mask.exact_ranges`: windows, causal, global tokens, documents, prefix LM and their
+unions and intersections; a key-padding bool tensor), the kernel's `tile_layout` builds the
+arrays in one pass over the tiles (`interval_layout`): at N = 2048 a tenth of a millisecond to
+half a millisecond, at 65,536 a few. Other masks are examined with `qkv.layout.allowed` on the
+PARTIAL tiles only, a chunk of tiles at a time, so memory stays O(kept tiles).
+
+`kernel_layout` keeps the result in qkv's cache (`qkv.cache.CACHE`): per Mask (held weakly) for
+structured masks, by shape for plain and causal problems, never for bool mask tensors (their
+content may change between calls). A problem of one query tile (a decoding step) keeps one entry
+for the latest key length (`Cache.latest`): the layers of a step share it, and a loop over
+growing lengths does not pin an entry per length.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import CACHE
-from ...layout import BlockLayout, allowed, layout_for, segment_tiles
+from ...layout import BlockLayout, allowed, layout_for, row_intervals, segment_tiles
 from ...plan import AttentionPlan
 from .build import loaded
 
@@ -151,20 +158,16 @@ def encode(plan: AttentionPlan, lay: BlockLayout) -> CpuLayout:
     )
 
 
-def segment_layout(
-    plan: AttentionPlan, block_q: int, uniform: BlockLayout | None = None
-) -> CpuLayout | None:
+def segment_layout(plan: AttentionPlan, block_q: int, uniform_tiles: int) -> CpuLayout | None:
     """The layout with tiles cut at the segment boundaries of `plan`'s packed-sequence mask
     (module docstring; the tiles from `qkv.layout.segment_tiles`), or None when the mask has no
-    segments or the cut's candidate tiles outnumber the uniform grid's kept tiles fourfold (it
-    could not win; this bounds its cost). `uniform`: that grid's layout, if the caller has it."""
+    segments or the cut's candidate tiles outnumber the uniform grid's kept tiles
+    (`uniform_tiles`) fourfold (it could not win; this bounds its cost)."""
     if plan.mask_rule is None or plan.mask is not None or plan.layout is not None:
         return None
-    if uniform is None:
-        uniform = layout_for(plan, block_q, BLOCK_K)
     cut = segment_tiles(
         plan.q_len, plan.kv_len, block_q, BLOCK_K, causal=plan.causal, rule=plan.mask_rule,
-        max_candidates=4 * uniform.nnz,
+        max_candidates=4 * uniform_tiles,
     )  # fmt: skip
     if cut is None:
         return None
@@ -192,40 +195,55 @@ def segment_layout(
     )
 
 
-def _build(plan: AttentionPlan, block_q: int) -> CpuLayout:
-    uniform = layout_for(plan, block_q, BLOCK_K)
-    cut = segment_layout(plan, block_q, uniform)
-    if cut is not None and cut.kept_tiles <= uniform.nnz:
-        return cut
-    return encode(plan, uniform)
-
-
-def key_mask_layout(plan: AttentionPlan, block_q: int) -> CpuLayout | None:
-    """The layout of a bool mask tensor that is the same for every query row, `(B|1, H|1, 1,
-    Nk|1)` (key padding: a decoding step's, a padded batch's), with the causal flag: the arrays
-    `encode(layout_for(...))` gives, built by the kernel's `key_layout` in one pass over the
-    tiles (at Nq = 1, Nk = 1024: microseconds, where the tile-by-tile examination with torch
-    operations costs hundreds). None where it does not apply (another mask, a rule, a held
-    layout) or the kernel is not loaded."""
-    m = plan.mask
-    if m is None or m.shape[2] != 1 or plan.mask_rule is not None or plan.layout is not None:
+def interval_layout(plan: AttentionPlan, block_q: int) -> CpuLayout | None:
+    """The arrays `encode(layout_for(...))` gives (the same allowed pairs; a tile the rule's
+    bounds leave PARTIAL may be FULL here), built by the kernel's `tile_layout` in one pass over
+    the tiles, for problems whose allowed keys are intervals per query row: no mask, a rule with
+    exact key ranges (`Mask.exact_ranges`: windows, causal, global tokens, documents, prefix LM
+    and their unions and intersections), a bool mask tensor the same for every query row
+    `(B|1, H|1, 1, Nk|1)` (key padding), with the causal flag. Microseconds for a decoding
+    step, a few milliseconds at 64k tokens, where the tile-by-tile examination with torch
+    operations costs tens. None where it does not apply (a rule without exact ranges, a mask
+    that varies by row, a held layout) or the kernel is not loaded."""
+    rule, m = plan.mask_rule, plan.mask
+    if plan.layout is not None or plan.q_len == 0 or plan.kv_len == 0:
+        return None
+    if (rule is not None and not rule.exact_ranges) or (m is not None and m.shape[2] != 1):
         return None
     ops = loaded()
-    if ops is None or plan.q_len == 0 or plan.kv_len == 0:
+    if ops is None:
         return None
-    bm, hm = mask_dims(plan)
-    keys = m[:, :, 0, :].cpu().expand(bm, hm, plan.kv_len)
-    arrays = ops.key_layout(keys, plan.q_len, block_q, plan.causal)
+    lo = hi = keys = None
+    if rule is not None:
+        lo, hi = row_intervals(rule, plan.q_len, plan.kv_len)
+    if m is not None:
+        bm, hm = mask_dims(plan)
+        keys = m[:, :, 0, :].cpu().expand(bm, hm, plan.kv_len)
+    arrays = ops.tile_layout(lo, hi, keys, plan.q_len, plan.kv_len, block_q, plan.causal)
     return CpuLayout(block_q, plan.q_len, plan.kv_len, *arrays)
 
 
+def _build(plan: AttentionPlan, block_q: int) -> CpuLayout:
+    uniform = interval_layout(plan, block_q)
+    if uniform is None:
+        uniform = encode(plan, layout_for(plan, block_q, BLOCK_K))
+    cut = segment_layout(plan, block_q, uniform.kept_tiles)
+    if cut is not None and cut.kept_tiles <= uniform.kept_tiles:
+        return cut
+    return uniform
+
+
 def kernel_layout(plan: AttentionPlan, block_q: int) -> CpuLayout:
-    """The kernel's arrays for `plan` with tiles of at most `block_q × 64`, from qkv's cache
-    (module docstring); a key-padding mask tensor by `key_mask_layout`."""
+    """The kernel's arrays for `plan` with tiles of at most `block_q × 64` (module docstring),
+    from qkv's cache; a bool mask tensor's read anew every call. One query tile (a decoding
+    step) keeps a single entry per (Mask, Nq, causal) for the latest key length: every layer of
+    a step shares it, and a loop over growing lengths pins no entry per length."""
     if plan.mask is not None:
-        fast = key_mask_layout(plan, block_q)
-        if fast is not None:
-            return fast
-        return encode(plan, layout_for(plan, block_q, BLOCK_K))
-    key = ("cpu-layout", plan.q_len, plan.kv_len, block_q, plan.causal, *mask_dims(plan))
+        fast = interval_layout(plan, block_q)
+        return fast if fast is not None else encode(plan, layout_for(plan, block_q, BLOCK_K))
+    shape = (plan.q_len, block_q, plan.causal, *mask_dims(plan))
+    if plan.q_len <= block_q:
+        key = ("cpu-layout-step", *shape)
+        return CACHE.latest(key, plan.kv_len, lambda: _build(plan, block_q), plan.mask_rule)
+    key = ("cpu-layout", plan.kv_len, *shape)
     return CACHE.get(key, lambda: _build(plan, block_q), owner=plan.mask_rule)
