@@ -76,6 +76,7 @@ def _explain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=_seed, default=0, help="random seed, 0..2**64-1 (default 0)")
     p.add_argument("--causal", action="store_true", help="hide future tokens")
     p.add_argument("--lang", choices=("en", "zh"), default="en", help="en or zh (Chinese)")
+    p.add_argument("--full", action="store_true", help="print large matrices whole")
 
 
 def _explain(args: argparse.Namespace) -> None:
@@ -85,7 +86,7 @@ def _explain(args: argparse.Namespace) -> None:
         w = walkthrough(n=args.n, d=args.d, d_k=args.dk, seed=args.seed, causal=args.causal)
     except ExplainError as e:
         raise _Refused(str(e)) from None
-    print(render(w, args.lang))
+    print(render(w, args.lang, full=args.full))
 
 
 # --------------------------------------------------------------------------- attend
@@ -124,7 +125,7 @@ def _attend(args: argparse.Namespace) -> None:
         if args.json != STDOUT:
             say(f"weights: {args.json}")
     if out is not None:
-        from .inspect.figures import attention_grid, rollout_figure, token_heads
+        from .inspect.figures import attention_grid, cjk_note, rollout_figure, token_heads
         from .inspect.viewer import write_viewer
 
         out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +137,9 @@ def _attend(args: argparse.Namespace) -> None:
         rollout_figure(amap, word, pictures[2])
         write_viewer(amap, out / "viewer.html")
         say(f"pictures: {', '.join(str(p) for p in pictures)}")
+        note = cjk_note(amap.words)
+        if note:
+            say(f"note: {note}")
         say(f"viewer:   {out / 'viewer.html'} (open it in a browser)")
 
 
@@ -339,8 +343,11 @@ COMMANDS: dict[str, Command] = {
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="qkv", description="Self-attention, from the formula up.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap.add_argument("--version", action="version", version=f"qkv {__version__}")
+    sub = ap.add_subparsers(dest="command")
     for name, cmd in COMMANDS.items():
         cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
     return ap
@@ -348,7 +355,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (argparse exits with 2 on bad arguments)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `qkv`: what it can do
+        parser.print_help()
+        return 0
 
     def error(message: str) -> None:
         print(f"qkv {args.command}: error: {message}", file=sys.stderr)

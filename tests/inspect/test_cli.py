@@ -35,7 +35,7 @@ def test_explain_in_chinese_and_causal(capsys):
         (["explain", "--n", "0"], "expected a positive integer, got 0"),
         (["explain", "--dk", "x"], "expected a positive integer, got 'x'"),
         (["explain", "--lang", "fr"], "invalid choice: 'fr'"),
-        ([], "the following arguments are required: command"),
+        (["nosuch"], "invalid choice: 'nosuch'"),
     ],
 )
 def test_bad_input_is_a_clear_message_and_exit_code(argv, message):

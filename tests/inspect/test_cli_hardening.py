@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -332,3 +333,84 @@ def test_emoji_is_named_as_such(minilm):
 
     text = summary(model_attention("the cat 🐱 sat", *minilm), "cat")
     assert "[UNK](🐱)" in text and "does not read emoji and symbols" in text
+
+
+# --------------------------------------------------------------------------- the command itself
+
+
+def test_version_and_a_bare_command_say_what_qkv_is(capsys):
+    from qkv import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"qkv {__version__}"
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: qkv") and "explain" in out and "demo" in out
+
+
+def test_a_missing_image_file_is_named(capsys):
+    assert main(["tokens", "--image", "nosuch.png"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "qkv tokens: error: --image: no such file: nosuch.png"
+    assert main(["tokens", "--image", "big"]) == 2  # neither a size nor a file name
+    assert "expects WIDTHxHEIGHT" in capsys.readouterr().err
+
+
+def test_explain_shows_the_corners_of_large_matrices_unless_full(capsys):
+    from qkv.inspect.explain import SHOWN, walkthrough
+
+    assert main(["explain", "--n", "40"]) == 0
+    short = capsys.readouterr().out
+    assert "(40×40: corners shown; --full prints it whole)" in short
+    w = walkthrough(n=40, d=8, d_k=4, seed=0)
+    last = "  [" + " ".join(f"{v:8.3f}" for v in w.X[-1].tolist()) + "]"
+    assert last in short  # the last row of X, whole (8 columns fit)
+    assert main(["explain", "--n", "40", "--full"]) == 0
+    full = capsys.readouterr().out
+    assert "corners shown" not in full and len(full.splitlines()) > len(short.splitlines())
+    # S is 40×40: each printed row holds SHOWN values and the ⋯ between its halves
+    rows = [line for line in short.splitlines() if "⋯" in line]
+    assert rows and all(r.count("⋯") == 1 for r in rows)
+    assert all(len(re.findall(r"-?\d+\.\d+|-inf", r)) == SHOWN for r in rows)
+
+
+def test_bench_says_why_a_slope_is_missing():
+    from qkv.inspect import bench
+
+    recs = [
+        {"method": "tiled", "pass": "forward", "n": 64, "time_s": 1e-3, "peak_mib": 1.0,
+         "note": None},
+        {"method": "tiled", "pass": "forward", "n": 10**6, "time_s": None, "peak_mib": None,
+         "note": "skipped: needs about 15,625 MiB, 8,000 MiB available"},
+    ]  # fmt: skip
+    text = bench.table(recs)
+    assert "nan" not in text
+    assert "slope —: fewer than two sizes were measured" in text
+    assert "N=1000000: skipped: needs about 15,625 MiB" in text
+
+
+def test_the_qkv_command_runs_its_entry_point_before_torch():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "qkv"]
+    assert ep.value == "_qkv_entry:main"
+
+
+def test_ctrl_c_while_torch_imports_exits_130_with_one_line():
+    script = f"""
+{INT_HANDLER}
+import os, signal, sys
+class SigintAtTorch:  # Ctrl-C the moment the import of torch begins
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, SigintAtTorch())
+import _qkv_entry
+sys.argv = ["qkv", "explain"]
+sys.exit(_qkv_entry.main())
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 130, res.stderr
+    assert res.stderr.strip() == "qkv: interrupted" and res.stdout == ""

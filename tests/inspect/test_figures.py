@@ -45,3 +45,62 @@ def test_cost_plot_labels_the_fitted_slopes(tmp_path):
     assert (tmp_path / "cost.png").read_bytes().startswith(PNG)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["dense (slope 2.00)"]
+
+
+def _chinese_map():
+    w = torch.randn(1, 2, 4, 4, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    return AttentionMap.from_weights(w, ["猫", "坐", "它", "累"], text="猫坐它累")
+
+
+def test_chinese_labels_are_drawn_with_an_installed_cjk_font(tmp_path):
+    from matplotlib import font_manager, ft2font
+
+    font = figures.cjk_font()
+    if font is None:
+        pytest.skip("no CJK font on this machine (apt-get install fonts-noto-cjk)")
+    fig = figures.token_heads(_chinese_map(), "它", tmp_path / "zh.png")
+    labels = fig.axes[0].get_xticklabels()
+    assert [t.get_text() for t in labels] == ["猫", "坐", "它", "累"]
+    assert all(font in t.get_fontfamily() for t in labels)
+    face = font_manager.FontProperties(family=font)
+    path = font_manager.findfont(face, fallback_to_default=False)
+    glyphs = ft2font.FT2Font(path).get_charmap()
+    assert all(ord(c) in glyphs for c in "猫坐它累")
+
+
+def test_a_cjk_font_installed_after_matplotlib_listed_its_fonts_is_found(monkeypatch):
+    from matplotlib import font_manager
+
+    class Face:
+        def __init__(self, name):
+            self.name = name
+
+    manager = font_manager.fontManager
+    listed = [Face("DejaVu Sans")]
+    monkeypatch.setattr(manager, "ttflist", listed)
+    added = []
+
+    def addfont(path):
+        added.append(path)
+        listed.append(Face("Noto Sans CJK JP"))  # a .ttc is listed under its first face
+
+    monkeypatch.setattr(manager, "addfont", addfont)
+    monkeypatch.setattr(
+        font_manager,
+        "findSystemFonts",
+        lambda: ["/usr/share/fonts/DejaVuSans.ttf", "/usr/share/fonts/NotoSansCJK-Regular.ttc"],
+    )
+    figures.cjk_font.cache_clear()
+    try:
+        assert figures.cjk_font() == "Noto Sans CJK JP"
+        assert added == ["/usr/share/fonts/NotoSansCJK-Regular.ttc"]
+        assert figures.cjk_note(["它"]) is None
+        listed[:] = [Face("DejaVu Sans")]
+        figures.cjk_font.cache_clear()
+        monkeypatch.setattr(font_manager, "findSystemFonts", lambda: [])
+        assert figures.cjk_note(["it"]) is None
+        note = figures.cjk_note(["它"])
+        assert note is not None and "fonts-noto-cjk" in note
+    finally:
+        figures.cjk_font.cache_clear()
+        figures._families.cache_clear()

@@ -104,3 +104,24 @@ def test_the_timing_stops_starting_new_lengths_once_its_budget_is_spent():
     bar = rnn.Progress(3, "test", enabled=False)
     rows, skipped = rnn.parallel(replace(TINY, ns=(8, 16, 32), budget_s=0.0), bar)
     assert [r["n"] for r in rows] == [8] and skipped == [16, 32]  # the first is always timed
+
+
+def test_chinese_ratios_say_as_fast_not_faster_and_keep_the_rule(doc):
+    slow = {**doc["parallel"][-1], "threads": 2, "lstm_ms_one_thread": 17.0, "lstm_ms": 100.0}
+    slow |= {"attention_ms_one_thread": 150.0, "attention_ms": 100.0}
+    zh = rnn.summary({**doc, "parallel": [slow]}, "zh")
+    en = rnn.summary({**doc, "parallel": [slow]}, "en")
+    assert "the LSTM ran 0.17× as fast" in en
+    assert "LSTM 的速度是单线程的 0.17 倍" in zh and "注意力的速度是单线程的 1.50 倍" in zh
+    assert "快了" not in zh  # "0.17 倍 faster" reverses the meaning
+    assert f"至少是单线程的 {rnn.SPEEDUP} 倍" in zh  # the verdict's rule, as in the English
+    assert "隐藏维度" in zh and "隐藏层" not in zh  # hidden size, not "hidden layers"
+
+
+def test_chinese_tables_line_up_in_terminal_columns(doc):
+    from qkv.inspect.text import columns
+
+    zh = rnn.summary(doc, "zh").splitlines()
+    head = next(i for i, line in enumerate(zh) if "串行步数" in line)
+    widths = {columns(line) for line in zh[head : head + 1 + len(doc["parallel"])]}
+    assert len(widths) == 1, zh[head : head + 3]

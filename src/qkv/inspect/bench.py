@@ -311,12 +311,18 @@ def table(records: Sequence[dict]) -> str:
             lines.append(f"{n:<17}" + "".join(cells))
         fitted = slopes(mine)
         lines.append(
-            f"{'slope (time)':<17}" + "".join(f"{fitted.get(m, math.nan):>21.2f}" for m in methods)
+            f"{'slope (time)':<17}"
+            + "".join(
+                f"{fitted[m]:>21.2f}" if math.isfinite(fitted.get(m, math.nan)) else f"{'—':>21}"
+                for m in methods
+            )
         )
         lines.append("")
     notes = sorted(
         {f"{r['method']} {r['pass']} N={r['n']}: {r['note']}" for r in records if r["note"]}
     )
+    if any(" —" in line and line.startswith("slope") for line in lines):
+        notes.append("slope —: fewer than two sizes were measured")
     return "\n".join(lines + notes).rstrip()
 
 

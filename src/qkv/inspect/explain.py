@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import reference
+from .text import ljust
 
 # One line of meaning per step, in each language the walk-through speaks.
 TEXT = {
@@ -33,7 +34,10 @@ TEXT = {
         "shape": "shape",
     },
     "zh": {
-        "title": "自注意力：N={n} 个词元，宽度 d={d}，投影到 d_k={dk}（随机种子 {seed}{causal}）。",
+        "title": (
+            "缩放点积自注意力：N={n} 个词元，宽度 d={d}，投影到 d_k={dk}"
+            "（随机种子 {seed}{causal}）。"
+        ),
         "causal": "，因果掩码",
         "X": "输入：每行是一个词元",
         "W": "可学习的投影矩阵 d → d_k（W^V：d → d_v）",
@@ -41,7 +45,7 @@ TEXT = {
         "K": "键：每个词元可以被怎样找到",
         "V": "值：每个词元被关注时交出的内容",
         "S": "每个查询与每个键的原始相似度",
-        "S_scaled": "除以 √d_k（乘 {inv:.4f}），避免 softmax 饱和",
+        "S_scaled": "缩放：除以 √d_k（即乘以 {inv:.4f}），避免 softmax 饱和",
         "A": "按行做 softmax：每一行是对所有键的概率分布",
         "rows": "每行之和（应为 1）：{sums} → {ok}",
         "ok": "正确",
@@ -53,6 +57,7 @@ TEXT = {
     },
 }
 COST_SIZES = (512, 2048, 1_048_576)
+SHOWN = 16  # rows and columns of a matrix printed whole (more: its corners, unless full)
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 BYTES_PER_SHOWN = 64  # a float64 entry, its Python float while printed, and its text
 
@@ -135,17 +140,34 @@ def _human(x: float, unit: str) -> str:
     return f"{x:.3g} E{unit}"
 
 
-def _matrix(t: torch.Tensor) -> str:
-    rows = []
-    for row in t.tolist():
-        rows.append(
-            "  [" + " ".join(f"{v:8.3f}" if v != float("-inf") else "    -inf" for v in row) + "]"
+def _cell(v: float) -> str:
+    return f"{v:8.3f}" if v != float("-inf") else "    -inf"
+
+
+def _matrix(t: torch.Tensor, full: bool = False) -> str:
+    """The matrix's rows; beyond `SHOWN` rows or columns (unless `full`), its first and last
+    `SHOWN // 2` of each with ⋯ / ⋮ between and a line saying what was left out."""
+    nr, nc = t.shape
+    half = SHOWN // 2
+    rows_at = range(nr) if full or nr <= SHOWN else [*range(half), None, *range(nr - half, nr)]
+    cols_at = range(nc) if full or nc <= SHOWN else [*range(half), None, *range(nc - half, nc)]
+    lines = []
+    for i in rows_at:
+        if i is None:
+            lines.append("   " + " ".join(f"{'⋮':>8}" for _ in cols_at))
+            continue
+        row = t[i].tolist()
+        lines.append(
+            "  [" + " ".join(f"{'⋯':>8}" if j is None else _cell(row[j]) for j in cols_at) + "]"
         )
-    return "\n".join(rows)
+    if len(rows_at) < nr or len(cols_at) < nc:
+        lines.append(f"  ({nr}×{nc}: corners shown; --full prints it whole)")
+    return "\n".join(lines)
 
 
-def render(w: Walkthrough, lang: str = "en") -> str:
-    """The walk-through as text, in English (`en`) or Chinese (`zh`)."""
+def render(w: Walkthrough, lang: str = "en", full: bool = False) -> str:
+    """The walk-through as text, in English (`en`) or Chinese (`zh`); matrices beyond `SHOWN`
+    rows or columns show their corners unless `full`."""
     if lang not in TEXT:
         raise ValueError(f"lang must be one of {sorted(TEXT)}, got {lang!r}")
     t = TEXT[lang]
@@ -155,7 +177,7 @@ def render(w: Walkthrough, lang: str = "en") -> str:
 
     def step(name: str, m: torch.Tensor, meaning: str) -> None:
         out.append(f"\n{name}  {t['shape']} {tuple(m.shape)} — {meaning}")
-        out.append(_matrix(m))
+        out.append(_matrix(m, full))
 
     step("X", w.X, t["X"])
     out.append(f"\nW^Q, W^K, W^V  {t['shape']} {tuple(w.W_q.shape)} — {t['W']}")
@@ -179,6 +201,7 @@ def render(w: Walkthrough, lang: str = "en") -> str:
         flops, nbytes = cost(size, dk)
         label = t["case"].get(size, "")
         out.append(
-            f"  N = {size:>9,}  {label:<14} {_human(flops, 'FLOP'):>12}  {_human(nbytes, 'B'):>10}"
+            f"  N = {size:>9,}  {ljust(label, 14)} {_human(flops, 'FLOP'):>12}  "
+            f"{_human(nbytes, 'B'):>10}"
         )
     return "\n".join(out)

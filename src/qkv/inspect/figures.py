@@ -10,8 +10,10 @@ and with a CJK font after the default one where such a font is installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import unicodedata
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,15 +33,56 @@ CJK_FONTS = (
 )
 
 
+# what a CJK font's file name holds (lower case, no "-" or "_"): Noto/Source Han, WenQuanYi,
+# Droid's fallback, Windows' and macOS's Chinese fonts
+CJK_FILES = ("cjk", "wqy", "sourcehan", "droidsansfallback", "simhei", "msyh", "pingfang")
+CJK_HINT = (
+    "no CJK font found, so Chinese, Japanese and Korean labels show as boxes; install one "
+    "(Debian/Ubuntu: apt-get install fonts-noto-cjk)"
+)
+
+
+def _cjk_installed() -> str | None:
+    from matplotlib import font_manager
+
+    names = {f.name for f in font_manager.fontManager.ttflist}
+    listed = [name for name in CJK_FONTS if name in names]
+    # a font collection (.ttc) is listed under its first face: "Noto Sans CJK JP"
+    return (listed or sorted(n for n in names if "CJK" in n) or [None])[0]
+
+
+@functools.cache
+def cjk_font() -> str | None:
+    """The name of an installed CJK font matplotlib can draw with, or None. matplotlib keeps a
+    list of fonts made the first time it ran; one installed since is found here among the
+    system's font files and added."""
+    from matplotlib import font_manager
+
+    name = _cjk_installed()
+    if name is None:
+        for path in font_manager.findSystemFonts():
+            key = Path(path).name.lower().replace("-", "").replace("_", "")
+            if any(k in key for k in CJK_FILES):
+                with contextlib.suppress(Exception):  # a font file matplotlib cannot read
+                    font_manager.fontManager.addfont(path)
+        name = _cjk_installed()
+    return name
+
+
+def cjk_note(texts: Sequence[str]) -> str | None:
+    """`CJK_HINT` when `texts` hold a wide (CJK) character and no CJK font is installed."""
+    wide = any(unicodedata.east_asian_width(c) in "WF" for text in texts for c in text)
+    return CJK_HINT if wide and cjk_font() is None else None
+
+
 @functools.cache
 def _families() -> tuple[str, ...]:
-    """The default sans-serif font, then the first installed CJK font (matplotlib falls back
-    glyph by glyph along this list)."""
-    from matplotlib import font_manager, rcParams
+    """The default sans-serif font, then an installed CJK font (matplotlib falls back glyph by
+    glyph along this list)."""
+    from matplotlib import rcParams
 
-    installed = {f.name for f in font_manager.fontManager.ttflist}
-    cjk = [name for name in CJK_FONTS if name in installed][:1]
-    return (rcParams["font.sans-serif"][0], *cjk)
+    cjk = cjk_font()
+    return (rcParams["font.sans-serif"][0], *([cjk] if cjk else []))
 
 
 def plain() -> dict[str, object]:

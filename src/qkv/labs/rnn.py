@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..inspect.text import row
 from ..nn import SelfAttention
 from . import recall
 from .common import Progress, machine, pick, threads, verdict
@@ -256,7 +257,6 @@ TEXT = {
     "en": {
         "title": "RNN vs attention ({seconds:.0f} s)",
         "par": "1. Parallelism: forward+backward of one layer of width {width}, one sequence",
-        "par_head": "  {n:>6} {lstm:>12} {attn:>14} {steps:>16}",
         "par_cols": ("N", "LSTM", "attention", "steps LSTM/attn"),
         "par_threads": (
             "  on {threads} threads vs 1 at N={n}: the LSTM ran {lstm:.2f}× as fast, "
@@ -288,14 +288,14 @@ TEXT = {
     "zh": {
         "title": "RNN 与注意力（{seconds:.0f} 秒）",
         "par": "1. 并行性：宽度 {width} 的单层前向+反向，一条序列",
-        "par_head": "  {n:>6} {lstm:>12} {attn:>14} {steps:>16}",
         "par_cols": ("N", "LSTM", "注意力", "串行步数 LSTM/注意力"),
         "par_threads": (
-            "  N={n} 时 {threads} 个线程对比 1 个："
-            "LSTM 快了 {lstm:.2f} 倍，注意力快了 {attn:.2f} 倍"
+            "  N={n} 时，{threads} 个线程与 1 个线程相比：LSTM 的速度是单线程的 {lstm:.2f} 倍，"
+            "注意力的速度是单线程的 {attn:.2f} 倍（{cores} 核，平均负载 {load}）"
         ),
         "par_claim": (
-            "  论断：RNN 用不上并行硬件，注意力可以 → {verdict}（多线程对注意力的加速大于对 LSTM）"
+            "  论断：RNN 用不上并行硬件，注意力可以 → {verdict}"
+            "（规则：多线程下注意力的速度至少是单线程的 {need} 倍，且 LSTM 的加速比它小）"
         ),
         "par_one": "  （这里 torch 只用 1 个线程，无法比较并行加速）",
         "par_skipped": "  未计时：N = {ns}（计时预算 {budget:.0f} 秒已用完）",
@@ -303,7 +303,7 @@ TEXT = {
             "2. 距离 d 处的回忆：{keys} 个键，{values} 个值（随机猜对 {chance:.0%}），"
             "训练 {steps} 步，{seeds} 个随机种子，每个 d 测试 {samples} 条长度 {length} 的序列"
         ),
-        "rec_models": "  注意力：{ap} 个参数（d_model {dm}）；LSTM：{lp} 个参数（隐藏层 {h}）",
+        "rec_models": "  注意力：{ap} 个参数（d_model {dm}）；LSTM：{lp} 个参数（隐藏维度 {h}）",
         "rec_cols": ("d", "LSTM", "注意力"),
         "rec_learned": (
             "  损失降到 {below} 以下时的训练步数（每个种子；— 表示没有）："
@@ -345,16 +345,18 @@ def summary(doc: dict, lang: str = "en") -> str:
     held = claims(doc)
     p = doc["preset"]
     lines = [t("title", seconds=doc["seconds"]), t("par", width=p["width"])]
-    cols = TEXT[lang]["par_cols"]
-    lines.append(t("par_head", n=cols[0], lstm=cols[1], attn=cols[2], steps=cols[3]))
+    widths = (6, 12, 14, 22)
+    lines.append(row(TEXT[lang]["par_cols"], widths))
     for r in doc["parallel"]:
         lines.append(
-            t(
-                "par_head",
-                n=r["n"],
-                lstm=f"{r['lstm_ms']:.1f} ms",
-                attn=f"{r['attention_ms']:.1f} ms",
-                steps=f"{r['lstm_steps']}/{r['attention_steps']}",
+            row(
+                (
+                    r["n"],
+                    f"{r['lstm_ms']:.1f} ms",
+                    f"{r['attention_ms']:.1f} ms",
+                    f"{r['lstm_steps']}/{r['attention_steps']}",
+                ),
+                widths,
             )
         )
     if doc["parallel_skipped"]:
@@ -398,8 +400,7 @@ def summary(doc: dict, lang: str = "en") -> str:
             h=m["lstm"]["hidden"],
         )
     )
-    cols = TEXT[lang]["rec_cols"]
-    lines.append(f"  {cols[0]:>6} {cols[1]:>8} {cols[2]:>10}")
+    lines.append(row(TEXT[lang]["rec_cols"], (6, 8, 10)))
     for r in doc["recall"]:
         lines.append(f"  {r['distance']:>6} {r['lstm_acc']:>8.1%} {r['attention_acc']:>10.1%}")
     tr = doc["training"]

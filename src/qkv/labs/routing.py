@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..inspect.text import row
 from ..nn import MultiHeadAttention
 from . import recall
 from .common import Progress, machine, pick, threads, verdict
@@ -294,7 +295,7 @@ def summary(doc: dict, lang: str = "en") -> str:
     lines = [t("title", seconds=doc["seconds"])]
     lines.append(t("reach", n=p["length"], w=p["width"], trials=p["trials"]))
     cols = TEXT[lang]["reach_cols"]
-    lines.append(f"  {cols[0]:>10} {cols[1]:>6} {cols[2]:>6}  {cols[3].format(far=far)}")
+    lines.append(row(cols[:3], (10, 6, 6)) + f"  {cols[3].format(far=far)}")
     for r in doc["reach"]:
         rel = f"{r['farthest_relative']:.2e}"
         lines.append(f"  {r['model']:>10} {r['layers']:>6} {r['reach']:>6}  {rel}")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..functional import attention
+from ..inspect.text import row
 from . import recall
 from .common import Progress, machine, pick, threads, verdict
 
@@ -296,14 +297,13 @@ def summary(doc: dict, lang: str = "en") -> str:
     held = claims(doc)
     p = doc["preset"]
     lines = [t("title", seconds=doc["seconds"]), t("var", samples=p["samples"])]
-    cols = TEXT[lang]["var_cols"]
-    lines.append(f"  {cols[0]:>6} {cols[1]:>12} {cols[2]:>12}")
+    lines.append(row(TEXT[lang]["var_cols"], (6, 12, 12)))
     for r in doc["variance"]:
         lines.append(f"  {r['d_k']:>6} {r['unscaled']:>12.3f} {r['scaled']:>12.4f}")
     lines.append(t("var_claim", verdict=verdict(held["variance"], lang), tol=VARIANCE_TOLERANCE))
     lines.append(t("sat", keys=p["keys"], uni=doc["uniform_entropy"]))
     cols = TEXT[lang]["sat_cols"]
-    lines.append("  " + " ".join(f"{c:>15}" for c in cols))
+    lines.append(row(cols, (15,) * len(cols)))
     for s, j in zip(doc["saturation"], doc["jacobian"], strict=True):
         cells = (
             s["d_k"],
@@ -314,7 +314,7 @@ def summary(doc: dict, lang: str = "en") -> str:
             f"{j['norm_unscaled']:.4f}",
             f"{j['norm_scaled']:.4f}",
         )
-        lines.append("  " + " ".join(f"{c:>15}" for c in cells))
+        lines.append(row(cells, (15,) * len(cells)))
     sat, jac = doc["saturation"], doc["jacobian"]
     lines.append(
         t(

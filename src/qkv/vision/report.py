@@ -213,6 +213,8 @@ def run(args) -> None:
         size = parse_size(args.image)
         if size is None:
             if not Path(args.image).is_file():
+                if Path(args.image).suffix or "/" in args.image or "\\" in args.image:
+                    raise ValueError(f"--image: no such file: {args.image}")
                 raise ValueError(
                     f"--image expects WIDTHxHEIGHT such as 1344x1344 or an image file, got "
                     f"{args.image!r}"
