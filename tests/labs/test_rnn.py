@@ -64,27 +64,93 @@ def test_learned_at_is_the_first_window_below_the_threshold():
     assert rnn.learned_at([1.0] * (3 * w)) is None
 
 
+QUIET = {"cores": 2, "load_1min": 0.3, "cpu_pressure": 0.0, "load_1min_after": 2.0,
+         "cpu_pressure_after": 1.0}  # fmt: skip
+TASK = {"chance": 1 / 8}
+
+
+def _timed(lstm: list[float], attn: list[float], threads: int = 2) -> dict:
+    """A largest-N record whose rounds ran `lstm` / `attn` times as fast on all threads."""
+    return {
+        "n": 4096,
+        "threads": threads,
+        "lstm_ms": 100.0,
+        "attention_ms": 100.0,
+        "lstm_ms_one_thread": 100.0 * sorted(lstm)[len(lstm) // 2],
+        "attention_ms_one_thread": 100.0 * sorted(attn)[len(attn) // 2],
+        "lstm_rounds": [100.0] * len(lstm),
+        "attention_rounds": [100.0] * len(attn),
+        "lstm_one_thread_rounds": [100.0 * x for x in lstm],
+        "attention_one_thread_rounds": [100.0 * x for x in attn],
+    }
+
+
+def _verdicts(par: dict, rec: list[dict], machine: dict = QUIET) -> dict[str, str]:
+    got = rnn.claims({"parallel": [par], "recall": rec, "machine": machine, "task": TASK})
+    return {k: v["verdict"] for k, v in got.items()}
+
+
+REC = [
+    {"distance": 4, "lstm_acc": 0.9, "attention_acc": 1.0},
+    {"distance": 256, "lstm_acc": 0.5, "attention_acc": 0.97},
+]
+
+
 def test_claim_rules():
-    par = [
-        {
-            "n": 4096,
-            "threads": 2,
-            "lstm_ms": 100.0,
-            "lstm_ms_one_thread": 110.0,
-            "attention_ms": 100.0,
-            "attention_ms_one_thread": 190.0,
-        }
-    ]
-    rec = [
-        {"distance": 4, "lstm_acc": 0.9, "attention_acc": 1.0},
-        {"distance": 256, "lstm_acc": 0.5, "attention_acc": 0.97},
-    ]
-    assert rnn.claims({"parallel": par, "recall": rec}) == {"parallel": True, "recall": True}
-    slower = {**par[0], "lstm_ms": 300.0, "attention_ms": 400.0}  # both slowed by threads
-    assert rnn.claims({"parallel": [slower], "recall": rec})["parallel"] is False
+    assert _verdicts(_timed([1.1, 1.0, 1.05], [1.9, 1.7, 1.8]), REC) == {
+        "parallel": "holds",
+        "recall": "holds",
+    }
+    assert _verdicts(_timed([0.8, 0.7, 0.75], [0.6, 0.5, 0.55]), REC)["parallel"] == "does not hold"
+    rec = [dict(r) for r in REC]
     rec[-1]["lstm_acc"] = 0.85  # fell by only 5 points
-    par[0]["threads"] = 1
-    assert rnn.claims({"parallel": par, "recall": rec}) == {"parallel": None, "recall": False}
+    assert _verdicts(_timed([1.0] * 3, [1.8] * 3, threads=1), rec) == {
+        "parallel": "inconclusive",
+        "recall": "does not hold",
+    }
+
+
+def test_rounds_that_straddle_the_rule_are_inconclusive():
+    got = rnn.claims(
+        {"parallel": [_timed([1.0, 1.0], [1.1, 1.6])], "recall": REC, "machine": QUIET,
+         "task": TASK}
+    )  # fmt: skip
+    assert got["parallel"]["verdict"] == "inconclusive"
+    assert "the rounds disagree: attention 1.10–1.60×" in got["parallel"]["why"]["en"]
+
+
+@pytest.mark.parametrize(
+    "machine,why",
+    [
+        ({**QUIET, "cpu_pressure": 35.0}, "CPU pressure 35%"),
+        ({**QUIET, "cpu_pressure": None, "cpu_pressure_after": None, "load_1min": 3.4},
+         "load average 3.4 on 2 cores"),
+    ],
+)  # fmt: skip
+def test_a_busy_machine_makes_the_timed_claim_inconclusive(machine, why):
+    got = rnn.claims(
+        {"parallel": [_timed([1.0] * 3, [1.9] * 3)], "recall": REC, "machine": machine,
+         "task": TASK}
+    )  # fmt: skip
+    assert got["parallel"]["verdict"] == "inconclusive"
+    assert got["parallel"]["why"]["en"] == f"the machine was too busy to time: {why}"
+
+
+def test_an_lstm_that_never_learned_makes_the_memory_claim_inconclusive():
+    # the quick run's table that read "holds": 23.6% at d=4 falling to 11.1%, chance 12.5%
+    rec = [
+        {"distance": 4, "lstm_acc": 0.236, "attention_acc": 1.0},
+        {"distance": 256, "lstm_acc": 0.111, "attention_acc": 0.99},
+    ]
+    got = rnn.claims(
+        {"parallel": [_timed([1.0] * 3, [1.9] * 3)], "recall": rec, "machine": QUIET,
+         "task": TASK}
+    )  # fmt: skip
+    assert got["recall"]["verdict"] == "inconclusive"
+    assert got["recall"]["why"]["en"] == (
+        "the LSTM did not learn the task even at d=4: 24% against 12.5% chance; "
+        "train longer with --full"
+    )
 
 
 def test_summary_in_both_languages_and_the_figure(doc, tmp_path):
@@ -125,3 +191,16 @@ def test_chinese_tables_line_up_in_terminal_columns(doc):
     head = next(i for i, line in enumerate(zh) if "串行步数" in line)
     widths = {columns(line) for line in zh[head : head + 1 + len(doc["parallel"])]}
     assert len(widths) == 1, zh[head : head + 3]
+
+
+def test_verdicts_are_in_the_json_and_say_why_in_both_languages(doc):
+    assert set(doc["verdicts"]) == {"parallel", "recall"}
+    for v in doc["verdicts"].values():
+        assert v["verdict"] in ("holds", "does not hold", "inconclusive")
+        assert (v["why"] is None) == (v["verdict"] != "inconclusive")
+    untrained = [dict(r, lstm_acc=0.2, attention_acc=1.0) for r in doc["recall"]]
+    zh = rnn.summary({**doc, "recall": untrained}, "zh")
+    en = rnn.summary({**doc, "recall": untrained}, "en")
+    assert "→ inconclusive (the LSTM did not learn the task even at d=" in en
+    assert "→ 无法判断（LSTM 在 d=" in zh
+    assert "critical path" in en and "关键路径" in zh

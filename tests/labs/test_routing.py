@@ -51,6 +51,8 @@ def doc():
 
 def test_json_has_the_documented_fields(doc):
     doc = json.loads(json.dumps(doc, allow_nan=False))
+    assert set(doc["verdicts"]) == set(routing.claims(doc))
+    assert all(v["verdict"] in ("holds", "does not hold") for v in doc["verdicts"].values())
     rows = doc["gradient_reach"]
     assert len(rows) == 3 * 2 * TINY.length
     for r in rows:

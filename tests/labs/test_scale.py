@@ -61,6 +61,8 @@ def doc():
 
 def test_json_has_the_documented_fields(doc):
     doc = json.loads(json.dumps(doc, allow_nan=False))
+    assert set(doc["verdicts"]) == set(scale.claims(doc))
+    assert all(v["verdict"] in ("holds", "does not hold") for v in doc["verdicts"].values())
     assert [r["d_k"] for r in doc["variance"]] == [4, 16, 64]
     for r in doc["variance"]:
         assert isinstance(r["unscaled"], float) and isinstance(r["scaled"], float)

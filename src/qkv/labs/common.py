@@ -77,11 +77,58 @@ def pick(text: dict[str, dict[str, str]], lang: str) -> Callable[..., str]:
     return t
 
 
-def verdict(holds: bool, lang: str) -> str:
-    """The words a summary uses to say whether a claim held in this run."""
-    if lang == "zh":
-        return "成立" if holds else "不成立"
-    return "holds" if holds else "does not hold"
+HOLDS, FAILS, UNSURE = "holds", "does not hold", "inconclusive"
+WORDS = {"zh": {HOLDS: "成立", FAILS: "不成立", UNSURE: "无法判断"}}
+
+
+def decided(holds: bool) -> dict:
+    """A verdict the measurements settle: `{"verdict": "holds" | "does not hold", "why": None}`."""
+    return {"verdict": HOLDS if holds else FAILS, "why": None}
+
+
+def inconclusive(en: str, zh: str) -> dict:
+    """A verdict this run cannot give, and why (in both languages)."""
+    return {"verdict": UNSURE, "why": {"en": en, "zh": zh}}
+
+
+def as_verdict(v: bool | dict | None) -> dict:
+    """A lab's claim as its JSON verdict (a bare bool is a settled one)."""
+    return v if isinstance(v, dict) else decided(bool(v))
+
+
+def verdict(v: bool | dict, lang: str) -> str:
+    """The words a summary uses for a claim's verdict in this run: holds, does not hold, or
+    inconclusive with the reason."""
+    v = as_verdict(v)
+    word = WORDS.get(lang, {}).get(v["verdict"], v["verdict"])
+    if v["why"] is None:
+        return word
+    return f"{word}（{v['why']['zh']}）" if lang == "zh" else f"{word} ({v['why']['en']})"
+
+
+def cpu_pressure() -> float | None:
+    """Linux's CPU pressure: the share (%) of the last 10 s in which some runnable task waited
+    for a core (`/proc/pressure/cpu`, "some avg10"); None where the kernel does not say."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(line.split("avg10=")[1].split()[0])
+    return None
+
+
+BUSY_PRESSURE = 10.0  # % of time a task waited for a core: too busy to time parallel speed-ups
+
+
+def busy(m: dict) -> str | None:
+    """Why the machine `m` (from `machine()`) was too busy to decide a timed claim, or None:
+    CPU pressure at or above `BUSY_PRESSURE`, or, where the kernel gives none, a load average
+    above the core count."""
+    pressure = m.get("cpu_pressure")
+    if pressure is not None:
+        return f"CPU pressure {pressure:.0f}%" if pressure >= BUSY_PRESSURE else None
+    load, cores = m.get("load_1min"), m.get("cores")
+    if load is not None and cores and load > cores:
+        return f"load average {load} on {cores} cores"
+    return None
 
 
 def machine() -> dict[str, object]:
@@ -102,4 +149,5 @@ def machine() -> dict[str, object]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_1min": load,
+        "cpu_pressure": cpu_pressure(),
     }

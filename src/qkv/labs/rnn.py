@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch import nn
 from ..inspect.text import row
 from ..nn import SelfAttention
 from . import recall
-from .common import Progress, machine, pick, threads, verdict
+from .common import Progress, busy, decided, inconclusive, machine, pick, threads, verdict
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Preset:
 
     ns: tuple[int, ...]  # sequence lengths timed
     width: int  # width of the timed LSTM and attention layer
-    repeats: int  # timing: best of this many runs after a warm-up (fewer past 2 s)
+    repeats: int  # timing: interleaved rounds per N after a warm-up (fewer past 8 s, ≥ 2)
     budget_s: float  # timing: no new N is started once the timing has taken this long
     distances: tuple[int, ...]  # recall: distances tested (training covers 1..max)
     seeds: int  # recall: independent trainings of each model
@@ -43,7 +44,7 @@ class Preset:
 QUICK = Preset(
     ns=(64, 128, 256, 512, 1024, 2048, 4096),
     width=64,
-    repeats=2,
+    repeats=3,
     budget_s=20.0,
     distances=(4, 8, 16, 32, 64, 128, 256),
     seeds=2,
@@ -73,43 +74,45 @@ WINDOW = 50  # steps per point of the logged loss curves
 # --------------------------------------------------------------------------- parallelism
 
 
-CALL_CAP_S = 2.0  # after this long on one measurement, no further repeats
+CALL_CAP_S = 8.0  # after this long on one N, no further rounds (at least two are run)
 
 
-def _time(fn, repeats: int) -> float:
-    """Best of `repeats` timed runs after a warm-up, in ms; at least one timed run, no more
-    once the measurement has taken `CALL_CAP_S` (a busy machine can make a call take seconds)."""
-    start = time.perf_counter()
-    fn()  # warm-up
-    best = float("inf")
-    for i in range(repeats):
-        if i and time.perf_counter() - start > CALL_CAP_S:
-            break
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
-def time_layers(n: int, width: int, repeats: int, seed: int = 0) -> tuple[float, float]:
-    """Best forward+backward milliseconds of (LSTM, attention) on one sequence `(1, n, width)`."""
+def time_layers(n: int, width: int, rounds: int, seed: int = 0) -> dict[str, list[float]]:
+    """Forward+backward milliseconds of an LSTM and an attention layer on one sequence
+    `(1, n, width)`, on all of torch's threads and on one, in interleaved rounds (each round
+    times all four after one warm-up of each): `{"lstm": [...], "lstm_one_thread": [...],
+    "attention": [...], "attention_one_thread": [...]}`, one entry per round. At least two
+    rounds; no new one once `CALL_CAP_S` has passed (a busy machine can make a call take
+    seconds)."""
     torch.manual_seed(seed)
     lstm = nn.LSTM(width, width, batch_first=True)
     attn = SelfAttention(width, width)
     x = torch.randn(1, n, width, requires_grad=True)
-
-    def run_lstm():
-        lstm(x)[0].sum().backward()
-
-    def run_attn():
-        attn(x).sum().backward()
-
-    return _time(run_lstm, repeats), _time(run_attn, repeats)
+    calls = {
+        "lstm": lambda: lstm(x)[0].sum().backward(),
+        "attention": lambda: attn(x).sum().backward(),
+    }
+    every = torch.get_num_threads()
+    out: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for r in range(-1, rounds):  # round −1 warms up
+        if r >= 2 and time.perf_counter() - start > CALL_CAP_S:
+            break
+        for name, fn in calls.items():
+            for key, nt in ((name, every), (f"{name}_one_thread", 1)):
+                with threads(nt):
+                    t0 = time.perf_counter()
+                    fn()
+                    ms = (time.perf_counter() - t0) * 1e3
+                if r >= 0:
+                    out.setdefault(key, []).append(ms)
+    return out
 
 
 def parallel(preset: Preset, bar: Progress) -> tuple[list[dict], list[int]]:
-    """One record per N: time on all threads and on one, and the sequential steps of each;
-    and the lengths not started because the time budget was spent."""
+    """One record per N: the median time on all threads and on one, every round's times
+    (`*_rounds`), and the sequential steps of each; and the lengths not started because the
+    time budget was spent."""
     all_threads = torch.get_num_threads()
     rows: list[dict] = []
     skipped: list[int] = []
@@ -119,22 +122,35 @@ def parallel(preset: Preset, bar: Progress) -> tuple[list[dict], list[int]]:
         if rows and time.perf_counter() - start > preset.budget_s:
             skipped.append(n)
             continue
-        lstm_ms, attn_ms = time_layers(n, preset.width, preset.repeats)
-        with threads(1):
-            lstm_1, attn_1 = time_layers(n, preset.width, preset.repeats)
+        times = time_layers(n, preset.width, preset.repeats)
         rows.append(
             {
                 "n": n,
-                "lstm_ms": lstm_ms,
-                "attention_ms": attn_ms,
+                "lstm_ms": statistics.median(times["lstm"]),
+                "attention_ms": statistics.median(times["attention"]),
                 "lstm_steps": n,  # h_t needs h_{t-1}: one step per position
                 "attention_steps": 1,  # every position at once
                 "threads": all_threads,
-                "lstm_ms_one_thread": lstm_1,
-                "attention_ms_one_thread": attn_1,
+                "lstm_ms_one_thread": statistics.median(times["lstm_one_thread"]),
+                "attention_ms_one_thread": statistics.median(times["attention_one_thread"]),
+                **{f"{key}_rounds": ms for key, ms in times.items()},
             }
         )
     return rows, skipped
+
+
+def speedups(rec: dict) -> dict[str, list[float]]:
+    """Per round, how many times as fast each model ran on all threads as on one."""
+    if "lstm_rounds" not in rec:  # a document without rounds: its medians
+        return {
+            name: [rec[f"{name}_ms_one_thread"] / rec[f"{name}_ms"]]
+            for name in ("lstm", "attention")
+        }
+    out = {}
+    for name in ("lstm", "attention"):
+        pairs = zip(rec[f"{name}_one_thread_rounds"], rec[f"{name}_rounds"], strict=True)
+        out[name] = [one / every for one, every in pairs]
+    return out
 
 
 # --------------------------------------------------------------------------- recall
@@ -222,16 +238,21 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
     bar = Progress(total, "qkv lab rnn", progress)
     try:
         rows, skipped = parallel(preset, bar)
-        timed = time.perf_counter()
+        timed, after = time.perf_counter(), machine()
         with threads(1):
             memory = recall_curves(preset, seed, bar)
     finally:
         bar.close()
     done = time.perf_counter()
     length = max(preset.distances) + 1
-    return {
+    doc = {
         "lab": "rnn",
-        "machine": {**before, "load_1min_after": machine()["load_1min"]},
+        # the load and CPU pressure once the timing was done (the verdict reads those before)
+        "machine": {
+            **before,
+            "load_1min_after": after["load_1min"],
+            "cpu_pressure_after": after["cpu_pressure"],
+        },
         "preset": asdict(preset),
         "seed": seed,
         "parallel": rows,
@@ -249,6 +270,8 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
         "seconds_parallel": timed - started,
         "seconds_recall": done - timed,
     }
+    doc["verdicts"] = claims(doc)  # each claim: holds, does not hold or inconclusive (why)
+    return doc
 
 
 # --------------------------------------------------------------------------- the answer
@@ -259,12 +282,19 @@ TEXT = {
         "par": "1. Parallelism: forward+backward of one layer of width {width}, one sequence",
         "par_cols": ("N", "LSTM", "attention", "steps LSTM/attn"),
         "par_threads": (
-            "  on {threads} threads vs 1 at N={n}: the LSTM ran {lstm:.2f}× as fast, "
-            "attention {attn:.2f}× as fast (load average {load} on {cores} cores)"
+            "  on {threads} threads vs 1 at N={n}, median of {rounds} interleaved rounds: the "
+            "LSTM ran {lstm:.2f}× as fast ({lstm_lo:.2f}–{lstm_hi:.2f}), attention {attn:.2f}× "
+            "as fast ({attn_lo:.2f}–{attn_hi:.2f}) (load average {load} on {cores} cores)"
         ),
         "par_claim": (
             "  claim: an RNN cannot use parallel hardware, attention can → {verdict} "
-            "(rule: attention ≥ {need}× as fast on all threads, the LSTM less)"
+            "(rule: attention ≥ {need}× as fast on all threads in every round, the LSTM less)"
+        ),
+        "par_why": (
+            "  why the LSTM can still win on a few cores: each of its steps is a small product "
+            "and attention does N² work; the claim is about the critical path, {n} sequential "
+            "steps for the LSTM against 1 for attention (the last column), which is what lets "
+            "many cores share attention's work"
         ),
         "par_one": "  (torch runs on 1 thread here: no parallel speed-up to compare)",
         "par_skipped": "  not timed: N = {ns} (the timing's budget of {budget:.0f} s was spent)",
@@ -290,12 +320,19 @@ TEXT = {
         "par": "1. 并行性：宽度 {width} 的单层前向+反向，一条序列",
         "par_cols": ("N", "LSTM", "注意力", "串行步数 LSTM/注意力"),
         "par_threads": (
-            "  N={n} 时，{threads} 个线程与 1 个线程相比：LSTM 的速度是单线程的 {lstm:.2f} 倍，"
-            "注意力的速度是单线程的 {attn:.2f} 倍（{cores} 核，平均负载 {load}）"
+            "  N={n} 时，{threads} 个线程与 1 个线程相比（{rounds} 轮交替测量的中位数）："
+            "LSTM 的速度是单线程的 {lstm:.2f} 倍（{lstm_lo:.2f}–{lstm_hi:.2f}），"
+            "注意力的速度是单线程的 {attn:.2f} 倍（{attn_lo:.2f}–{attn_hi:.2f}）"
+            "（{cores} 核，平均负载 {load}）"
         ),
         "par_claim": (
             "  论断：RNN 用不上并行硬件，注意力可以 → {verdict}"
-            "（规则：多线程下注意力的速度至少是单线程的 {need} 倍，且 LSTM 的加速比它小）"
+            "（规则：每一轮中多线程下注意力的速度至少是单线程的 {need} 倍，且 LSTM 的加速比它小）"
+        ),
+        "par_why": (
+            "  为什么在少数几个核上 LSTM 仍可能更快：它每一步只是一次小的矩阵乘法，"
+            "而注意力要做 N² 的计算；论断说的是关键路径的长度：LSTM 要串行走 {n} 步，"
+            "注意力只要 1 步（表的最后一列），正是这一点让多个核能分担注意力的计算"
         ),
         "par_one": "  （这里 torch 只用 1 个线程，无法比较并行加速）",
         "par_skipped": "  未计时：N = {ns}（计时预算 {budget:.0f} 秒已用完）",
@@ -321,22 +358,67 @@ TEXT = {
 SPEEDUP = 1.25  # "uses parallel hardware": at least this much faster on all threads than on one
 
 
-def claims(doc: dict) -> dict[str, bool | None]:
-    """Whether each claim held in this run, by the rules the summary states.
+def _busy(m: dict) -> str | None:
+    """Why the machine was too busy to time, read just before the timing (once it runs, its own
+    threads add to the pressure; a neighbour that starts meanwhile shows as rounds that
+    disagree)."""
+    return busy(m)
 
-    parallel: at the largest N, attention ran at least 1.25× faster on all threads than on one,
-    and the LSTM gained less (None on one thread). recall: attention ≥ 95% at every distance,
-    and the LSTM lost at least 10 points from the shortest distance to the longest."""
+
+LEARNED_OVER_CHANCE = 2.0  # the LSTM "learned the task" if it beat chance this many times
+
+
+def claims(doc: dict) -> dict[str, dict]:
+    """Each claim's verdict in this run (`common.decided` / `common.inconclusive`), by the
+    rules the summary states.
+
+    parallel, at the largest N: holds if in every round attention ran at least 1.25× as fast
+    on all threads as on one and the LSTM gained less than attention's least; does not hold if
+    in no round attention reached 1.25×, or the LSTM's least gain beat attention's best;
+    inconclusive when the rounds disagree, on one thread, or on a machine too busy to time
+    (`common.busy`). recall: holds if attention ≥ 95% at every distance and the LSTM lost at
+    least 10 points from the shortest distance to the longest; inconclusive if either model did
+    not learn the task even at the shortest distance (attention below 95%, the LSTM below
+    twice chance: its fall with distance would mean nothing)."""
     last = doc["parallel"][-1]
-    par = None
-    if last["threads"] > 1:
-        speed_lstm = last["lstm_ms_one_thread"] / last["lstm_ms"]
-        speed_attn = last["attention_ms_one_thread"] / last["attention_ms"]
-        par = speed_attn >= SPEEDUP and speed_lstm < speed_attn
+    if last["threads"] == 1:
+        par = inconclusive("torch runs on 1 thread here", "这里 torch 只用 1 个线程")
+    elif reason := _busy(doc.get("machine", {})):
+        par = inconclusive(
+            f"the machine was too busy to time: {reason}",
+            f"机器太忙，计时不可信：{reason}",
+        )
+    else:
+        up = speedups(last)
+        lo_a, hi_a = min(up["attention"]), max(up["attention"])
+        lo_l, hi_l = min(up["lstm"]), max(up["lstm"])
+        if lo_a >= SPEEDUP and hi_l < lo_a:
+            par = decided(True)
+        elif hi_a < SPEEDUP or lo_l >= hi_a:
+            par = decided(False)
+        else:
+            par = inconclusive(
+                f"the rounds disagree: attention {lo_a:.2f}–{hi_a:.2f}×, "
+                f"LSTM {lo_l:.2f}–{hi_l:.2f}×",
+                f"各轮结果不一致：注意力 {lo_a:.2f}–{hi_a:.2f} 倍，LSTM {lo_l:.2f}–{hi_l:.2f} 倍",
+            )
     rec = doc["recall"]
-    attn_ok = min(r["attention_acc"] for r in rec) >= 0.95
-    lstm_falls = rec[0]["lstm_acc"] - rec[-1]["lstm_acc"] >= 0.10
-    return {"parallel": par, "recall": attn_ok and lstm_falls}
+    chance = doc["task"]["chance"]
+    if rec[0]["attention_acc"] < 0.95 or rec[0]["lstm_acc"] < LEARNED_OVER_CHANCE * chance:
+        who = "attention" if rec[0]["attention_acc"] < 0.95 else "the LSTM"
+        who_zh = "注意力模型" if rec[0]["attention_acc"] < 0.95 else "LSTM"
+        acc = rec[0]["attention_acc" if who == "attention" else "lstm_acc"]
+        recall_verdict = inconclusive(
+            f"{who} did not learn the task even at d={rec[0]['distance']}: {acc:.0%} against "
+            f"{chance:.1%} chance; train longer with --full",
+            f"{who_zh} 在 d={rec[0]['distance']} 处也没学会这个任务：准确率 {acc:.0%}，"
+            f"随机猜对为 {chance:.1%}；请用 --full 训练更久",
+        )
+    else:
+        attn_ok = min(r["attention_acc"] for r in rec) >= 0.95
+        lstm_falls = rec[0]["lstm_acc"] - rec[-1]["lstm_acc"] >= 0.10
+        recall_verdict = decided(attn_ok and lstm_falls)
+    return {"parallel": par, "recall": recall_verdict}
 
 
 def summary(doc: dict, lang: str = "en") -> str:
@@ -363,21 +445,28 @@ def summary(doc: dict, lang: str = "en") -> str:
         ns = ", ".join(str(n) for n in doc["parallel_skipped"])
         lines.append(t("par_skipped", ns=ns, budget=p["budget_s"]))
     last = doc["parallel"][-1]
-    if held["parallel"] is None:
+    if last["threads"] == 1:
         lines.append(t("par_one"))
     else:
+        up = speedups(last)
         lines.append(
             t(
                 "par_threads",
                 threads=last["threads"],
                 n=last["n"],
+                rounds=len(up["lstm"]),
                 lstm=last["lstm_ms_one_thread"] / last["lstm_ms"],
+                lstm_lo=min(up["lstm"]),
+                lstm_hi=max(up["lstm"]),
                 attn=last["attention_ms_one_thread"] / last["attention_ms"],
+                attn_lo=min(up["attention"]),
+                attn_hi=max(up["attention"]),
                 load=doc["machine"]["load_1min"],
                 cores=doc["machine"]["cores"],
             )
         )
         lines.append(t("par_claim", verdict=verdict(held["parallel"], lang), need=SPEEDUP))
+        lines.append(t("par_why", n=last["n"]))
     task, m = doc["task"], doc["models"]
     lines.append(
         t(

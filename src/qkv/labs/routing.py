@@ -25,7 +25,7 @@ from torch import nn
 from ..inspect.text import row
 from ..nn import MultiHeadAttention
 from . import recall
-from .common import Progress, machine, pick, threads, verdict
+from .common import Progress, as_verdict, machine, pick, threads, verdict
 
 MODELS = ("cnn", "lstm", "attention")
 
@@ -194,7 +194,7 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
             routing = routes(preset, seed, bar)
     finally:
         bar.close()
-    return {
+    doc = {
         "lab": "routing",
         "machine": {**before, "load_1min_after": machine()["load_1min"]},
         "preset": asdict(preset),
@@ -204,6 +204,8 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
         "routing": routing,
         "seconds": time.perf_counter() - started,
     }
+    doc["verdicts"] = {k: as_verdict(v) for k, v in claims(doc).items()}  # JSON: holds or not
+    return doc
 
 
 def reach_summary(rows: list[dict]) -> list[dict]:

@@ -24,7 +24,7 @@ import torch
 from ..functional import attention
 from ..inspect.text import row
 from . import recall
-from .common import Progress, machine, pick, threads, verdict
+from .common import Progress, as_verdict, machine, pick, threads, verdict
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
             train = training(preset, seed, bar)
     finally:
         bar.close()
-    return {
+    doc = {
         "lab": "scale",
         "machine": {**before, "load_1min_after": machine()["load_1min"]},
         "preset": asdict(preset),
@@ -187,6 +187,8 @@ def run(preset: Preset = QUICK, *, seed: int = 0, progress: bool = True) -> dict
         "uniform_entropy": math.log(preset.keys),
         "seconds": time.perf_counter() - started,
     }
+    doc["verdicts"] = {k: as_verdict(v) for k, v in claims(doc).items()}  # JSON: holds or not
+    return doc
 
 
 # --------------------------------------------------------------------------- the answer
