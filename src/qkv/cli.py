@@ -77,16 +77,28 @@ def _explain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", action="store_true", help="hide future tokens")
     p.add_argument("--lang", choices=("en", "zh"), default="en", help="en or zh (Chinese)")
     p.add_argument("--full", action="store_true", help="print large matrices whole")
+    p.add_argument(
+        "--html", metavar="FILE", help="also write the page you can touch (heatmaps, sliders)"
+    )
 
 
 def _explain(args: argparse.Namespace) -> None:
     from .inspect.explain import ExplainError, render, walkthrough
 
+    if args.html:
+        check_file(args.html, "--html")
+    options = {"n": args.n, "d": args.d, "d_k": args.dk, "seed": args.seed, "causal": args.causal}
     try:
-        w = walkthrough(n=args.n, d=args.d, d_k=args.dk, seed=args.seed, causal=args.causal)
+        w = walkthrough(**options)
+        if args.html:
+            from .inspect.formula import write_formula_page
+
+            write_formula_page(args.html, **options, lang=args.lang)
     except ExplainError as e:
         raise _Refused(str(e)) from None
     print(render(w, args.lang, full=args.full))
+    if args.html:
+        print(f"\npage: {args.html} (open it in a browser)")
 
 
 # --------------------------------------------------------------------------- attend

@@ -189,7 +189,7 @@ def test_demo_writes_its_report(minilm, tmp_path, monkeypatch):
     page = index.read_text()
     for link in re.findall(r'(?:href|src)="([^"]+)"', page):
         assert (index.parent / link).stat().st_size > 0, link
-    assert "viewer.html" in page and "cost.png" in page
+    assert "viewer.html" in page and "cost.png" in page and "explain.html" in page
     for name in ("rnn", "scale", "routing"):
         assert f"lab-{name}.png" in page and f"qkv lab {name}" in page
         doc = json.loads((index.parent / f"lab-{name}.json").read_text())
@@ -197,3 +197,17 @@ def test_demo_writes_its_report(minilm, tmp_path, monkeypatch):
     assert "self-attention" in (index.parent / "explain.txt").read_text().lower()
     assert "因果" not in (index.parent / "explain-zh.txt").read_text()  # not causal by default
     assert lines[-1].strip().startswith("qkv demo finished in")
+
+
+def test_explain_html_writes_the_page_you_can_touch(tmp_path, capsys):
+    page = tmp_path / "f.html"
+    assert main(["explain", "--html", str(page), "--dk", "16", "--seed", "3", "--lang", "zh"]) == 0
+    assert f"page: {page}" in capsys.readouterr().out
+    text = page.read_text(encoding="utf-8")
+    assert "window.qkvFormulaReady" in text and '"dk": 16' in text and '"seed": 3' in text
+    assert main(["explain", "--html", str(tmp_path / "no" / "f.html")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["explain", "--n", "40", "--html", str(page)]) == 2
+    assert "the page shows up to 12 tokens" in capsys.readouterr().err
+    assert main(["explain", "--dk", "5", "--html", str(page)]) == 2
+    assert "d_k is one of 1, 2, 4, 8, 16, 64" in capsys.readouterr().err

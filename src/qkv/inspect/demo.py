@@ -32,6 +32,7 @@ from . import bench
 from .attend import EXAMPLE, model_attention, summary
 from .explain import render, walkthrough
 from .figures import attention_grid, cost_plot, token_heads
+from .formula import write_formula_page
 from .viewer import write_viewer
 
 DEMO_HINT = "pip install -e '.[demo]'  (or: pip install 'qkv[demo]')"
@@ -92,8 +93,13 @@ def _formula(r: Report) -> None:
     explain_en, explain_zh = render(w, "en"), render(w, "zh")
     (r.out / "explain.txt").write_text(explain_en + "\n", encoding="utf-8")
     (r.out / "explain-zh.txt").write_text(explain_zh + "\n", encoding="utf-8")
+    write_formula_page(r.out / "explain.html")
     r.echo(explain_en)
-    intro = 'N=4 tokens of width d=8, projected to d_k=4 (<a href="explain-zh.txt">中文</a>).'
+    intro = (
+        'N=4 tokens of width d=8, projected to d_k=4 (<a href="explain-zh.txt">中文</a>). '
+        '<a href="explain.html">Touch it</a>: every matrix as a heatmap, the scale on a slider, '
+        "a score's dot product term by term."
+    )
     r.add("The formula, step by step", f"<p>{intro}</p>\n{pre(explain_en)}")
 
 
