@@ -190,6 +190,8 @@ def test_demo_writes_its_report(minilm, tmp_path, monkeypatch):
     for link in re.findall(r'(?:href|src)="([^"]+)"', page):
         assert (index.parent / link).stat().st_size > 0, link
     assert "viewer.html" in page and "cost.png" in page and "explain.html" in page
+    for title in ("Past O(N²)", "Visual tokens", "The next chapter: the Transformer block"):
+        assert title in page
     for name in ("rnn", "scale", "routing"):
         assert f"lab-{name}.png" in page and f"qkv lab {name}" in page
         doc = json.loads((index.parent / f"lab-{name}.json").read_text())

@@ -5,8 +5,12 @@
 3. where "it" looks in the real all-MiniLM-L6-v2 (`qkv attend`): a text answer, two PNGs and
    the interactive viewer;
 4. the cost curve (`qkv bench --quick`): a table, a JSON and a log-log PNG;
-5.–7. the chapter's claims measured (`qkv lab rnn`, `scale`, `routing`, quick versions, or the
-   full ones with `labs="full"`): each lab's answer, its PNG and its JSON.
+5. past O(N²): sparse patterns as pictures of kept tiles, FlashAttention's O(N) memory from the
+   cost curve just measured (`qkv.inspect.chapter`);
+6. visual tokens: what 336², 672² and 1344² images cost for Qwen2-VL and LLaVA-NeXT;
+7.–9. the chapter's claims measured (`qkv lab rnn`, `scale`, `routing`, quick versions, or the
+   full ones with `labs="full"`): each lab's answer, its PNG and its JSON;
+10. the next chapter: a Transformer block on the same example, shape by shape.
 
 Each part is a section function that writes its files and appends its piece of the report as
 soon as it is done; `index.html` in the folder links everything. After Ctrl-C the report is
@@ -28,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..functional import attention, dispatch
-from . import bench
+from . import bench, chapter
 from .attend import EXAMPLE, model_attention, summary
 from .explain import render, walkthrough
 from .figures import attention_grid, cost_plot, token_heads
@@ -78,6 +82,7 @@ class Report:
     echo: Callable[[str], None]
     labs: str = "quick"  # which preset the labs run: "quick" or "full"
     sections: list[str] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)  # the cost curve's, for later sections
 
     def add(self, title: str, body: str) -> None:
         self.sections.append(f"<h2>{len(self.sections) + 1}. {html.escape(title)}</h2>\n{body}")
@@ -137,6 +142,7 @@ def _cost(r: Report) -> None:
     try:
         for rec in bench.iter_measure(r.sizes, progress=r.progress):
             records.append(rec)
+            r.records.append(rec)
         complete = True
     finally:  # after Ctrl-C too: the rows measured so far are part of the report
         if records:
@@ -154,6 +160,28 @@ Measured now, on this machine (<a href="bench.json">bench.json</a>).{note}</p>
 {pre(cost_table)}
 <p><img src="cost.png" alt="time and memory against N, log-log"></p>""",
             )
+
+
+def _text_section(title: str, make: Callable[[Report], str], intro: str = ""):
+    def section(r: Report) -> None:
+        r.echo(f"\n== {len(r.sections) + 1}. {title} ==")
+        text = make(r)
+        r.echo(text)
+        r.add(title, (f"<p>{intro}</p>\n" if intro else "") + pre(text))
+
+    return section
+
+
+_long_context = _text_section(
+    "Past O(N²): sparse attention and FlashAttention",
+    lambda r: chapter.long_context(r.records),
+    "Sparse Transformer, Longformer and BigBird masks skip whole tiles; FlashAttention keeps "
+    "dense attention exact in O(N) memory.",
+)
+_visual_tokens = _text_section("Visual tokens", lambda r: chapter.visual_tokens())
+_block = _text_section(
+    "The next chapter: the Transformer block", lambda r: chapter.transformer_block()
+)
 
 
 LAB_TITLES = {
@@ -193,7 +221,10 @@ SECTIONS: list[Callable[[Report], None]] = [
     _backends,
     _attend,
     _cost,
+    _long_context,
+    _visual_tokens,
     *(_lab(name) for name in LAB_TITLES),
+    _block,
 ]
 
 
