@@ -143,3 +143,35 @@ def test_a_text_that_looks_like_markup_cannot_blank_the_page(tmp_path):
         assert page.query_selector("#sentence b") is None
         browser.close()
     assert errors == []
+
+
+def test_a_laptop_screen_shows_every_head_numbered_with_a_legend_and_the_unk_note(tmp_path):
+    """At 1280×800 the overview's last column (the rollout) is on screen, columns carry head
+    numbers, a legend says what the colour means, and words the model could not read are
+    named on the page."""
+    import torch
+
+    from qkv.inspect.attend import AttentionMap
+
+    sync_playwright, chromium = _browser()
+    words = ["[CLS]", "猫", "[UNK]", "在", "[UNK]", "上", "it", "was", "[UNK]", "tired", "[SEP]"]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 12, 11, 11, generator=g, dtype=torch.float64).softmax(-1)
+    path = write_viewer(AttentionMap.from_weights(w, words, text="猫在上 it was tired"),
+                        tmp_path / "v.html")  # fmt: skip
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.goto(path.as_uri())
+        page.wait_for_function("window.qkvViewerReady === true", timeout=10_000)
+        last = page.query_selector("#overview canvas[data-layer='0'][data-head='-2']")
+        box = last.bounding_box()
+        assert box["x"] + box["width"] <= 1280 and box["width"] >= 20, box
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+        heads = page.eval_on_selector_all("#overview .head-lab", "ls => ls.map(l => l.textContent)")
+        assert heads == ["", *(f"H{h}" for h in range(12)), "roll"]
+        assert page.is_visible("#legend") and "weight 0" in page.inner_text("#legend")
+        note = page.inner_text("#note")
+        assert "3 of the 9 words became [UNK]" in note, note
+        page.screenshot(path=str(tmp_path / "laptop.png"))
+        browser.close()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .attend import AttentionMap
+from .attend import AttentionMap, unknown_note
 
 PLACEHOLDER = "/*QKV_DATA*/"
 
@@ -43,6 +43,7 @@ def viewer_html(amap: AttentionMap) -> str:
         "heads": amap.heads,
         "weights_u16": _u16(amap.weights),
         "rollout_u16": _u16(amap.rollout()),
+        "note": " ".join(line.strip() for line in unknown_note(amap)).removeprefix("note: "),
     }
     template = resources.files("qkv.inspect").joinpath("viewer.html").read_text(encoding="utf-8")
     return template.replace(PLACEHOLDER, script_json(data))
