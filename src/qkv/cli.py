@@ -114,6 +114,9 @@ def _attend_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", default="qkv-attend", help="folder for the PNGs and the viewer")
     p.add_argument("--no-files", action="store_true", help="print only; write no PNG or HTML")
+    p.add_argument(
+        "--lang", choices=("en", "zh"), default="en", help="the viewer page's language (en, zh)"
+    )
 
 
 def _attend(args: argparse.Namespace) -> None:
@@ -147,7 +150,7 @@ def _attend(args: argparse.Namespace) -> None:
         attention_grid(amap, pictures[0])
         token_heads(amap, word, pictures[1])
         rollout_figure(amap, word, pictures[2])
-        write_viewer(amap, out / "viewer.html")
+        write_viewer(amap, out / "viewer.html", lang=args.lang)
         say(f"pictures: {', '.join(str(p) for p in pictures)}")
         note = cjk_note(amap.words)
         if note:

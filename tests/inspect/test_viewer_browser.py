@@ -173,5 +173,19 @@ def test_a_laptop_screen_shows_every_head_numbered_with_a_legend_and_the_unk_not
         assert page.is_visible("#legend") and "weight 0" in page.inner_text("#legend")
         note = page.inner_text("#note")
         assert "3 of the 9 words became [UNK]" in note, note
-        page.screenshot(path=str(tmp_path / "laptop.png"))
+        page.select_option("#lang", "zh")  # every word of the page in Chinese
+        assert page.inner_text("#title") == "每个词看向哪里？"
+        assert "9 个词里有 3 个变成了 [UNK]" in page.inner_text("#note")
+        page.click('#lines text[data-side=from][data-i="6"]')
+        assert page.inner_text("#selected").startswith("“it”（第 6 个词）看向：第 0 层，第 0 个头")
+        assert page.inner_text("#legend").startswith("权重 0")
+        page.screenshot(path=str(tmp_path / "laptop-zh.png"))
+        browser.close()
+    zh = write_viewer(AttentionMap.from_weights(w, words), tmp_path / "zh.html", lang="zh")
+    with sync_playwright() as p:  # a page written in Chinese opens in Chinese
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(zh.as_uri())
+        page.wait_for_function("window.qkvViewerReady === true", timeout=10_000)
+        assert page.input_value("#lang") == "zh" and page.inner_text("#l-layer") == "层"
         browser.close()

@@ -370,14 +370,22 @@ def rollout_lines(amap: AttentionMap, i: int, k: int = 6) -> list[str]:
     return lines
 
 
-def unknown_note(amap: AttentionMap) -> list[str]:
-    """Lines that say which words the model could not read, and why it matters (or none)."""
+def unknown_note(amap: AttentionMap, lang: str = "en") -> list[str]:
+    """Lines that say which words the model could not read, and why it matters (or none), in
+    English (`en`) or Chinese (`zh`)."""
     unknown = amap.unknown()
     if not unknown:
         return []
     real = [w for w in amap.words if not _special(w)]
-    model = amap.model.split("/")[-1] or "the model"
     shown = [amap.sources[j] if amap.sources else amap.words[j] for j in unknown]
+    if lang == "zh":
+        model = amap.model.split("/")[-1] or "这个模型"
+        return [
+            f"注意：{model} 读不懂其中一部分文字：{len(real)} 个词里有 {len(unknown)} 个变成了 "
+            f"[UNK]，即它为无法拼写的文字准备的唯一词元（{' '.join(shown)}）。",
+            "  这些词的权重只说明模型看向哪里，不代表这些词的意思。",
+        ]
+    model = amap.model.split("/")[-1] or "the model"
     script = _scripts(shown) if amap.sources else "some of this text"
     return [
         f"note: {model} does not read {script}: {len(unknown)} of the {len(real)} words "

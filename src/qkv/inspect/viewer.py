@@ -32,9 +32,17 @@ def _u16(t: torch.Tensor) -> str:
     return base64.b64encode(bytes(little_endian.tolist())).decode()
 
 
-def viewer_html(amap: AttentionMap) -> str:
+def _note(amap: AttentionMap, lang: str) -> str:
+    lines = unknown_note(amap, lang)
+    return " ".join(line.strip() for line in lines).removeprefix("note: ").removeprefix("注意：")
+
+
+def viewer_html(amap: AttentionMap, lang: str = "en") -> str:
     """The viewer page for `amap` as one HTML string: weights `(L, H, W, W)` and the attention
-    rollout through each layer `(L, W, W)` embedded."""
+    rollout through each layer `(L, W, W)` embedded; its words in English (`en`) or Chinese
+    (`zh`), switchable on the page."""
+    if lang not in ("en", "zh"):
+        raise ValueError(f"lang must be en or zh, got {lang!r}")
     data = {
         "text": amap.text,
         "model": amap.model,
@@ -43,7 +51,8 @@ def viewer_html(amap: AttentionMap) -> str:
         "heads": amap.heads,
         "weights_u16": _u16(amap.weights),
         "rollout_u16": _u16(amap.rollout()),
-        "note": " ".join(line.strip() for line in unknown_note(amap)).removeprefix("note: "),
+        "note": {"en": _note(amap, "en"), "zh": _note(amap, "zh")},
+        "lang": lang,
     }
     template = resources.files("qkv.inspect").joinpath("viewer.html").read_text(encoding="utf-8")
     return template.replace(PLACEHOLDER, script_json(data))
@@ -64,8 +73,8 @@ def script_json(data: object) -> str:
     return text
 
 
-def write_viewer(amap: AttentionMap, path: str | Path) -> Path:
+def write_viewer(amap: AttentionMap, path: str | Path, lang: str = "en") -> Path:
     """Write the viewer page to `path` and return it."""
     path = Path(path)
-    path.write_text(viewer_html(amap), encoding="utf-8")
+    path.write_text(viewer_html(amap, lang), encoding="utf-8")
     return path
