@@ -115,7 +115,7 @@ def _attend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="qkv-attend", help="folder for the PNGs and the viewer")
     p.add_argument("--no-files", action="store_true", help="print only; write no PNG or HTML")
     p.add_argument(
-        "--lang", choices=("en", "zh"), default="en", help="the viewer page's language (en, zh)"
+        "--lang", choices=("en", "zh"), default="en", help="en or zh (Chinese): answer and viewer"
     )
 
 
@@ -132,7 +132,7 @@ def _attend(args: argparse.Namespace) -> None:
     try:
         amap = model_attention(text)
         word = args.token or default_word(amap)
-        say(summary(amap, word, args.layer, args.head))
+        say(summary(amap, word, args.layer, args.head, lang=args.lang))
     except AttendError as e:
         raise _Refused(str(e)) from None
     if args.json:

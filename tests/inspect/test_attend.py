@@ -103,6 +103,22 @@ def test_summary_reports_the_models_weights(cat_map):
     assert f"cat        {best.weight:.3f}" in full
 
 
+def test_the_answer_in_chinese_says_the_same_numbers(cat_map):
+    from qkv.inspect.text import columns
+
+    en, zh = summary(cat_map, "it"), summary(cat_map, "it", lang="zh")
+    best = cat_map.strongest_heads("it")["2:cat"]
+    assert "“it”（第 8 个词）看向哪里？" in zh
+    assert f"cat      第 {best.layer} 层 第 {best.head:>2} 个头  {best.weight:.3f}" in zh
+    assert "经过全部 6 层之后，“it”的信息来自哪里" in zh
+    numbers = [line.split()[-1] for line in en.splitlines() if line.startswith("    [")]
+    assert numbers == [line.split()[-1] for line in zh.splitlines() if line.startswith("    [")]
+    full = summary(cat_map, "it", layer=best.layer, lang="zh").splitlines()
+    assert full[2].startswith("  词") and len({columns(r) for r in full[2:]}) == 1  # aligned
+    with pytest.raises(ValueError, match="lang must be en or zh"):
+        summary(cat_map, "it", lang="fr")
+
+
 def test_empty_text_is_refused_before_loading_a_model():
     from qkv.inspect.attend import model_attention
 

@@ -314,56 +314,87 @@ def default_word(amap: AttentionMap) -> str:
     return "it" if "it" in (w.lower() for w in real) else real[0]
 
 
+SUMMARY = {
+    "en": {
+        "on": "{name} ({layers} layers × {heads} heads) on: {text}",
+        "where": 'Where does "{w}" (word {i}) look?',
+        "word": "word",
+        "hardest": "  the head that looks at each word hardest (and the rollout after all layers, "
+        "below):",
+        "head": "layer {l} head {h:<2}",
+        "rollout": "rollout",
+        "focused": "  the most focused heads (their strongest link to another word):",
+        "draws": '  where "{w}" draws from after all {layers} layers (attention rollout: heads '
+        "averaged, 0.5·A + 0.5·I multiplied over the layers):",
+    },
+    "zh": {
+        "on": "{name}（{layers} 层 × {heads} 个头）处理的文本：{text}",
+        "where": "“{w}”（第 {i} 个词）看向哪里？",
+        "word": "词",
+        "hardest": "  对每个词看得最用力的头（所有层之后的注意力展开见下文）：",
+        "head": "第 {l} 层 第 {h:>2} 个头",
+        "rollout": "展开",
+        "focused": "  最集中的头（各自最强的一条指向其他词的连接）：",
+        "draws": "  经过全部 {layers} 层之后，“{w}”的信息来自哪里（注意力展开：各头取平均，"
+        "0.5·A + 0.5·I 逐层相乘）：",
+    },
+}
+
+
 def summary(
-    amap: AttentionMap, word: str, layer: int | None = None, head: int | None = None
+    amap: AttentionMap,
+    word: str,
+    layer: int | None = None,
+    head: int | None = None,
+    lang: str = "en",
 ) -> str:
-    """The answer to "where does `word` look?" as text.
+    """The answer to "where does `word` look?" as text, in English (`en`) or Chinese (`zh`).
 
     Without a layer and head: for each other word, the head that looks at it hardest, and the
     five most focused heads overall. With `layer` (and `head`): that layer's heads (that head)
     in full, every word's weight."""
+    if lang not in SUMMARY:
+        raise ValueError(f"lang must be en or zh, got {lang!r}")
+    t = SUMMARY[lang]
     amap.check(layer, head)
     i = amap.index(word)
     name = amap.model or "attention"
     text = amap.text or " ".join(amap.words)
-    lines = [f"{name} ({amap.layers} layers × {amap.heads} heads) on: {text}"]
-    lines.append(f'Where does "{amap.words[i]}" (word {i}) look?')
+    lines = [t["on"].format(name=name, layers=amap.layers, heads=amap.heads, text=text)]
+    lines.append(t["where"].format(w=amap.words[i], i=i))
     if layer is not None:
         heads = [head] if head is not None else list(range(amap.heads))
-        width = max(columns(w) for w in amap.words)
-        lines.append(f"  {ljust('word', width)}" + "".join(f"  L{layer} H{h:<3}" for h in heads))
+        width = max(columns(w) for w in [*amap.words, t["word"]])
+        lines.append(f"  {ljust(t['word'], width)}" + "".join(f"  L{layer} H{h:<3}" for h in heads))
         for j, target in enumerate(amap.words):
             cells = "".join(f"{amap.weights[layer, h, i, j].item():9.3f}" for h in heads)
             lines.append(f"  {ljust(target, width)}{cells}")
-        return "\n".join(lines + unknown_note(amap))
-    lines.append(
-        "  the head that looks at each word hardest (and the rollout after all layers, below):"
-    )
+        return "\n".join(lines + unknown_note(amap, lang))
+    lines.append(t["hardest"])
     best = amap.strongest_heads(i)
     final = amap.rollout()[-1, i]  # (W,) where word i draws from after all layers
     width = max((columns(k.split(":", 1)[1]) for k in best), default=4)
     for key, hw in best.items():
         j, target = key.split(":", 1)
         bar = "█" * round(20 * hw.weight)
+        where = t["head"].format(l=hw.layer, h=hw.head)
         lines.append(
-            f"    {ljust(target, width)}  layer {hw.layer} head {hw.head:<2}  {hw.weight:.3f} "
-            f"{bar:<20}  rollout {final[int(j)].item():.3f}"
+            f"    {ljust(target, width)}  {where}  {hw.weight:.3f} "
+            f"{bar:<20}  {t['rollout']} {final[int(j)].item():.3f}"
         )
-    lines.append("  the most focused heads (their strongest link to another word):")
+    lines.append(t["focused"])
     for hw, target in amap.focused_heads(i, 5):
         target = ljust(target, width)
-        lines.append(f"    layer {hw.layer} head {hw.head:<2} → {target}  {hw.weight:.3f}")
-    return "\n".join(lines + rollout_lines(amap, i) + unknown_note(amap))
+        where = t["head"].format(l=hw.layer, h=hw.head)
+        lines.append(f"    {where} → {target}  {hw.weight:.3f}")
+    return "\n".join(lines + rollout_lines(amap, i, lang=lang) + unknown_note(amap, lang))
 
 
-def rollout_lines(amap: AttentionMap, i: int, k: int = 6) -> list[str]:
+def rollout_lines(amap: AttentionMap, i: int, k: int = 6, lang: str = "en") -> list[str]:
     """Where word i draws from after all layers (attention rollout): its k largest sources."""
     final = amap.rollout()[-1, i]  # (W,)
     width = max(columns(w) for w in amap.words)
-    lines = [
-        f'  where "{amap.words[i]}" draws from after all {amap.layers} layers (attention '
-        "rollout: heads averaged, 0.5·A + 0.5·I multiplied over the layers):"
-    ]
+    lines = [SUMMARY[lang]["draws"].format(w=amap.words[i], layers=amap.layers)]
     for j in final.argsort(descending=True, stable=True)[:k].tolist():
         bar = "█" * round(20 * final[j].item())
         lines.append(f"    {ljust(amap.words[j], width)}  {final[j].item():.3f} {bar}")
