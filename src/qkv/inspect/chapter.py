@@ -11,7 +11,7 @@ import torch
 
 from .. import masks
 from ..nn import TransformerBlock
-from .explain import _human, cost
+from .explain import cost, human
 
 LONG_N = 1_048_576  # a long document
 TILE_N, TILE = 2048, 128  # the pictures of kept tiles: 16 × 16 tiles
@@ -79,7 +79,7 @@ def long_context(records: list[dict] | None = None) -> str:
     return "\n".join(
         [
             f"One head with d_k = 64 at N = {LONG_N:,} tokens: QKᵀ and AV cost "
-            f"{_human(flops, 'FLOP')}, and the score matrix alone is {_human(nbytes, 'B')} "
+            f"{human(flops, 'FLOP')}, and the score matrix alone is {human(nbytes, 'B')} "
             "in fp32.",
             "The chapter's two answers:",
             "- Sparse attention lets each token see only some others. Tiles of "

@@ -120,9 +120,9 @@ def _check_memory(n: int, d: int, d_k: int) -> None:
     if free is None or need <= 0.5 * free * 2**20:
         return
     raise ExplainError(
-        f"a walk-through with N={n}, d={d}, d_k={d_k} needs about {_human(need, 'B')} "
-        f"(each N×N matrix holds {_human(8 * n * n, 'B')} in float64, and every matrix is "
-        f"printed), but only {_human(free * 2**20, 'B')} of memory is available; the walk-through "
+        f"a walk-through with N={n}, d={d}, d_k={d_k} needs about {human(need, 'B')} "
+        f"(each N×N matrix holds {human(8 * n * n, 'B')} in float64, and every matrix is "
+        f"printed), but only {human(free * 2**20, 'B')} of memory is available; the walk-through "
         f"is meant for a small N such as --n 8 (its last lines give the cost at large N)"
     )
 
@@ -132,7 +132,8 @@ def cost(n: int, d_k: int) -> tuple[int, int]:
     return 4 * n * n * d_k, 4 * n * n
 
 
-def _human(x: float, unit: str) -> str:
+def human(x: float, unit: str) -> str:
+    """`x` with an SI prefix and `unit`, three significant digits: 281 TFLOP, 4.4 TB."""
     for prefix in ("", "K", "M", "G", "T", "P"):
         if abs(x) < 1000:
             return f"{x:.3g} {prefix}{unit}"
@@ -201,7 +202,7 @@ def render(w: Walkthrough, lang: str = "en", full: bool = False) -> str:
         flops, nbytes = cost(size, dk)
         label = t["case"].get(size, "")
         out.append(
-            f"  N = {size:>9,}  {ljust(label, 14)} {_human(flops, 'FLOP'):>12}  "
-            f"{_human(nbytes, 'B'):>10}"
+            f"  N = {size:>9,}  {ljust(label, 14)} {human(flops, 'FLOP'):>12}  "
+            f"{human(nbytes, 'B'):>10}"
         )
     return "\n".join(out)
