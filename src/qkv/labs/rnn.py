@@ -141,11 +141,6 @@ def parallel(preset: Preset, bar: Progress) -> tuple[list[dict], list[int]]:
 
 def speedups(rec: dict) -> dict[str, list[float]]:
     """Per round, how many times as fast each model ran on all threads as on one."""
-    if "lstm_rounds" not in rec:  # a document without rounds: its medians
-        return {
-            name: [rec[f"{name}_ms_one_thread"] / rec[f"{name}_ms"]]
-            for name in ("lstm", "attention")
-        }
     out = {}
     for name in ("lstm", "attention"):
         pairs = zip(rec[f"{name}_one_thread_rounds"], rec[f"{name}_rounds"], strict=True)
@@ -358,13 +353,6 @@ TEXT = {
 SPEEDUP = 1.25  # "uses parallel hardware": at least this much faster on all threads than on one
 
 
-def _busy(m: dict) -> str | None:
-    """Why the machine was too busy to time, read just before the timing (once it runs, its own
-    threads add to the pressure; a neighbour that starts meanwhile shows as rounds that
-    disagree)."""
-    return busy(m)
-
-
 LEARNED_OVER_CHANCE = 2.0  # the LSTM "learned the task" if it beat chance this many times
 
 
@@ -383,7 +371,9 @@ def claims(doc: dict) -> dict[str, dict]:
     last = doc["parallel"][-1]
     if last["threads"] == 1:
         par = inconclusive("torch runs on 1 thread here", "这里 torch 只用 1 个线程")
-    elif reason := _busy(doc.get("machine", {})):
+    # the machine as read just before the timing: once it runs, its own threads add to the
+    # pressure; a neighbour that starts meanwhile shows as rounds that disagree
+    elif reason := busy(doc.get("machine", {})):
         par = inconclusive(
             f"the machine was too busy to time: {reason}",
             f"机器太忙，计时不可信：{reason}",
