@@ -15,7 +15,8 @@ def main() -> int:
 
         return run()
     except KeyboardInterrupt:
-        print("\nqkv: interrupted", file=sys.stderr)
+        chinese = "--lang=zh" in sys.argv or "--lang zh" in " ".join(sys.argv)
+        print("\nqkv: 已中断" if chinese else "\nqkv: interrupted", file=sys.stderr)
         return INTERRUPTED
 
 

@@ -20,7 +20,7 @@ LAYERS = {
     "dispatch": 2, "functional": 2, "varlen": 2, "tune": 2,
     "nn": 3,
     "distributed": 4, "integrations": 4, "inspect": 4, "labs": 4, "vision": 4, "examples": 4,
-    "cli": 5, "__init__": 5, "__main__": 5,
+    "cli": 5, "cli_zh": 5, "__init__": 5, "__main__": 5,
 }  # fmt: skip
 
 

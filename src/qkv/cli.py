@@ -25,12 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from . import cli_zh
+from .cli_zh import LANGS, WORDS
 from .inspect.outputs import STDOUT, OutputError, check_file, check_folder, say_to, write_json
 from .labs import command as lab_command
 
 USAGE_ERROR, FAILED, INTERRUPTED = 2, 1, 130
 MISSING_PACKAGE = FAILED
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+LANG_HELP = "en or zh (Chinese): the language of help and errors"
 
 
 class _Refused(Exception):
@@ -75,7 +78,7 @@ def _explain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dk", type=_positive, default=4, help="head width d_k (default 4)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed, 0..2**64-1 (default 0)")
     p.add_argument("--causal", action="store_true", help="hide future tokens")
-    p.add_argument("--lang", choices=("en", "zh"), default="en", help="en or zh (Chinese)")
+    p.add_argument("--lang", choices=LANGS, default="en", help="en or zh (Chinese)")
     p.add_argument("--full", action="store_true", help="print large matrices whole")
     p.add_argument(
         "--html", metavar="FILE", help="also write the page you can touch (heatmaps, sliders)"
@@ -107,6 +110,11 @@ def _explain(args: argparse.Namespace) -> None:
 def _attend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("text", nargs="?", default=None, help="the text (default: the cat example)")
     p.add_argument("--token", help='the word to ask about (default "it", else the first word)')
+    p.add_argument(
+        "--model",
+        metavar="FOLDER",
+        help="a local transformers encoder folder (default: the packaged all-MiniLM-L6-v2)",
+    )
     p.add_argument("--layer", type=int, help="show this layer's heads in full")
     p.add_argument("--head", type=int, help="with --layer: show only this head")
     p.add_argument(
@@ -115,12 +123,19 @@ def _attend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="qkv-attend", help="folder for the PNGs and the viewer")
     p.add_argument("--no-files", action="store_true", help="print only; write no PNG or HTML")
     p.add_argument(
-        "--lang", choices=("en", "zh"), default="en", help="en or zh (Chinese): answer and viewer"
+        "--lang", choices=LANGS, default="en", help="en or zh (Chinese): answer and viewer"
     )
 
 
 def _attend(args: argparse.Namespace) -> None:
-    from .inspect.attend import EXAMPLE, AttendError, default_word, model_attention, summary
+    from .inspect.attend import (
+        EXAMPLE,
+        AttendError,
+        default_word,
+        load_encoder,
+        model_attention,
+        summary,
+    )
 
     text = EXAMPLE if args.text is None else args.text
     if args.head is not None and args.layer is None:
@@ -130,7 +145,11 @@ def _attend(args: argparse.Namespace) -> None:
     out = None if args.no_files else check_folder(args.out, "--out")
     say = say_to(args.json)
     try:
-        amap = model_attention(text)
+        amap = (
+            model_attention(text, *load_encoder(args.model))
+            if args.model
+            else model_attention(text)
+        )
         word = args.token or default_word(amap)
         say(summary(amap, word, args.layer, args.head, lang=args.lang))
     except AttendError as e:
@@ -168,7 +187,12 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=_sizes, help="sequence lengths, e.g. 1024,2048,4096")
     p.add_argument("--window", type=_positive, help="the sliding window's reach each side")
     p.add_argument("--methods", default=",".join(bench.METHODS), help="which methods")
-    p.add_argument("--passes", choices=("forward", "backward", "both"), default="both")
+    p.add_argument(
+        "--passes",
+        choices=("forward", "backward", "both"),
+        default="both",
+        help="forward, backward or both (default)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the measurements as JSON ('-': stdout)")
     p.add_argument("--png", metavar="FILE", help="write the log-log plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -234,13 +258,17 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="qkv-demo", help="the folder (default qkv-demo)")
     p.add_argument("--full", action="store_true", help="the labs' full runs (several minutes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--lang", choices=LANGS, default="en", help="en or zh (Chinese): the report and its pages"
+    )
 
 
 def _demo(args: argparse.Namespace) -> None:
     from .inspect import demo
 
     out = check_folder(args.out, "--out")
-    demo.run(out, progress=not args.no_progress, labs="full" if args.full else "quick")
+    labs = "full" if args.full else "quick"
+    demo.run(out, progress=not args.no_progress, labs=labs, lang=args.lang)
 
 
 # --------------------------------------------------------------------------- build
@@ -339,7 +367,11 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "explain": Command("the textbook walk-through on real numbers", _explain_args, _explain),
-    "attend": Command("where a word looks in the real all-MiniLM-L6-v2", _attend_args, _attend),
+    "attend": Command(
+        "where a word looks in the real all-MiniLM-L6-v2 (or a model of yours)",
+        _attend_args,
+        _attend,
+    ),
     "bench": Command("time and memory of attention against N", _bench_args, _bench),
     "lab": Command(
         "the chapter's claims, measured: rnn, scale, routing",
@@ -357,27 +389,68 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors in the command's language (`lang`: en or zh)."""
+
+    def __init__(self, *args, lang: str = "en", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lang = lang
+
+    def error(self, message: str):
+        if self.lang == "zh":
+            self.print_usage(sys.stderr)
+            self.exit(USAGE_ERROR, f"{self.prog}: {WORDS['error']}：{cli_zh.error(message)}\n")
+        super().error(message)
+
+
+def language(argv: list[str]) -> str:
+    """The language asked for anywhere on the command line (`--lang zh`, `--lang=zh`): help
+    and errors follow it even before (or when) the arguments parse."""
+    lang = "en"
+    for i, arg in enumerate(argv):
+        if arg == "--lang" and i + 1 < len(argv):
+            lang = argv[i + 1]
+        elif arg.startswith("--lang="):
+            lang = arg.partition("=")[2]
+    return lang if lang in LANGS else "en"
+
+
+def _parser(lang: str = "en") -> argparse.ArgumentParser:
     from . import __version__
 
-    ap = argparse.ArgumentParser(prog="qkv", description="Self-attention, from the formula up.")
+    formatter = cli_zh.Formatter if lang == "zh" else argparse.HelpFormatter
+    options = {"lang": lang, "formatter_class": formatter}
+    ap = _Parser(prog="qkv", description="Self-attention, from the formula up.", **options)
     ap.add_argument("--version", action="version", version=f"qkv {__version__}")
-    sub = ap.add_subparsers(dest="command")
+    ap.add_argument("--lang", choices=LANGS, default="en", help=LANG_HELP)
+    sub = ap.add_subparsers(dest="command", title="commands")
     for name, cmd in COMMANDS.items():
-        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help, **options)
+        cmd.add_arguments(p)
+        if not any(a.dest == "lang" for a in p._actions):
+            p.add_argument("--lang", choices=LANGS, default="en", help=LANG_HELP)
+    if lang == "zh":
+        cli_zh.localize(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (argparse exits with 2 on bad arguments)."""
-    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    lang = language(argv)
+    parser = _parser(lang)
     args = parser.parse_args(argv)
+    args.lang = lang  # `qkv --lang zh explain` as `qkv explain --lang zh`
     if args.command is None:  # bare `qkv`: what it can do
         parser.print_help()
         return 0
 
     def error(message: str) -> None:
-        print(f"qkv {args.command}: error: {message}", file=sys.stderr)
+        if lang == "zh":
+            message = f"{WORDS['error']}：{cli_zh.error(message)}"
+        else:
+            message = f"error: {message}"
+        print(f"qkv {args.command}: {message}", file=sys.stderr)
 
     try:
         COMMANDS[args.command].run(args)
@@ -392,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         error(f"could not write{where}: {e.strerror or e}")
         return FAILED
     except KeyboardInterrupt:
-        print(f"\nqkv {args.command}: interrupted", file=sys.stderr)
+        word = WORDS["interrupted"] if lang == "zh" else "interrupted"
+        print(f"\nqkv {args.command}: {word}", file=sys.stderr)
         return INTERRUPTED
     return 0
 

@@ -213,3 +213,26 @@ def test_explain_html_writes_the_page_you_can_touch(tmp_path, capsys):
     assert "the page shows up to 12 tokens" in capsys.readouterr().err
     assert main(["explain", "--dk", "5", "--html", str(page)]) == 2
     assert "d_k is one of 1, 2, 4, 8, 16, 64" in capsys.readouterr().err
+
+
+def test_demo_in_chinese_writes_its_report_and_pages_in_chinese(minilm, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from qkv.inspect import bench, demo
+
+    tiny_labs(monkeypatch)
+    tiny = bench.Sizes(ns=(64, 128), heads=2, window=16, repeats=1, dim=16)
+    lines = []
+    index = demo.run(tmp_path / "demo", tiny, progress=False, echo=lines.append, lang="zh")
+    page = index.read_text(encoding="utf-8")
+    assert page.startswith('<!DOCTYPE html>\n<html lang="zh">') and "qkv 演示" in page
+    titles = re.findall(r"<h2>\d+\. (.+?)</h2>", page)
+    assert len(titles) == len(demo.SECTIONS)
+    assert all(re.search(r"[\u4e00-\u9fff]", t) for t in titles), titles
+    printed = "\n".join(lines)
+    assert "缩放点积自注意力" in printed and "因果注意力，B=1" in printed
+    assert "下一章把注意力堆叠成 Transformer 块" in printed and "本章给出的两个答案" in printed
+    assert printed.count("成立") + printed.count("无法判断") >= 3  # the labs' verdicts, in zh
+    for name in ("viewer.html", "explain.html"):
+        assert '"lang": "zh"' in (index.parent / name).read_text(encoding="utf-8"), name
+    for link in re.findall(r'(?:href|src)="([^"]+)"', page):
+        assert (index.parent / link).stat().st_size > 0, link

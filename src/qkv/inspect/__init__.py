@@ -11,7 +11,14 @@ need them, so importing this package costs only torch.
 """
 
 from . import bench
-from .attend import AttendError, AttentionMap, load_minilm, model_attention, summary
+from .attend import (
+    AttendError,
+    AttentionMap,
+    load_encoder,
+    load_minilm,
+    model_attention,
+    summary,
+)
 from .explain import Walkthrough, cost, render, walkthrough
 from .figures import attention_grid, cost_plot, token_heads
 from .viewer import viewer_html, write_viewer
@@ -24,6 +31,7 @@ __all__ = [
     "bench",
     "cost",
     "cost_plot",
+    "load_encoder",
     "load_minilm",
     "model_attention",
     "render",

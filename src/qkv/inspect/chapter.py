@@ -12,10 +12,12 @@ import torch
 from .. import masks
 from ..nn import TransformerBlock
 from .explain import cost, human
+from .text import ljust, rjust
 
 LONG_N = 1_048_576  # a long document
 TILE_N, TILE = 2048, 128  # the pictures of kept tiles: 16 × 16 tiles
 IMAGE_SIDES = (336, 672, 1344)
+LANGS = ("en", "zh")
 
 PATTERNS = (
     (
@@ -31,15 +33,116 @@ PATTERNS = (
         masks.bigbird(window=1, n_global=1, n_random=2, block=128),
     ),
 )
+PATTERN_NAMES_ZH = (
+    "Sparse Transformer：跨步模式（Child 等，2019），因果",
+    "Longformer：窗口 256 + 2 个全局词元",
+    "BigBird：窗口 1 块、1 个全局块、2 个 128 大小的随机块",
+)
+
+TEXT = {
+    "en": {
+        "kept": "{name}: {share:.0%} of tiles kept",
+        "none": "  (the cost curve above was not measured, so there is nothing to compare here)",
+        "at": "  Measured above, forward at N = {n}:",
+        "memory": "    memory: the naive formula peaked at {naive:,.0f} MiB, the tiled kernel at "
+        "{tiled:,.0f} MiB ({ratio:.1f}× less: it never holds the N × N matrix)",
+        "time": "    time: dense attention (torch SDPA) {dense:.1f} ms, the sliding window "
+        "{window:.1f} ms ({ratio:.1f}× faster: its empty tiles are never computed)",
+        "cost": "One head with d_k = 64 at N = {n:,} tokens: QKᵀ and AV cost {flops}, and the "
+        "score matrix alone is {nbytes} in fp32.",
+        "answers": "The chapter's two answers:",
+        "sparse": "- Sparse attention lets each token see only some others. Tiles of {t} × {t} at "
+        "N = {n} ('#' computed whole, '+' computed with a mask, '.' never computed):",
+        "flash": "- FlashAttention computes dense attention exactly, tile by tile, with an online "
+        "softmax (a running max and sum per row), so it never holds the N × N matrix: memory "
+        "O(N) instead of O(N²), forward and backward (qkv's `tiled` backend and its compiled "
+        "kernels).",
+        "visual": [
+            "An image enters the model as a sequence of tokens, and attention's cost grows with "
+            "its",
+            "square. Qwen2-VL cuts it into 14-px patches and merges 2 × 2 of them into one token:",
+            "⌈H/28⌉ · ⌈W/28⌉ tokens (after resizing within its pixel limits). LLaVA-NeXT covers it",
+            "with 336-px tiles of 24 × 24 features, adds a 24 × 24 base image and one newline "
+            "token",
+            "per feature row.",
+        ],
+        "visual_cols": ("image", "Qwen2-VL", "LLaVA-NeXT", "dense attention over them (Qwen2-VL)"),
+        "scores": "{scores:,} scores per head and layer",
+        "visual_more": "`qkv tokens --image WxH` gives the details for any size.",
+        "block": [
+            "The next chapter stacks attention into a Transformer block (pre-norm, as GPT-2 and "
+            "Llama): x + Attn(LN(x)), then + FFN(LN(·)). On N = 4 tokens of width d = 8, 2 heads:",
+            ("x", ""),
+            (
+                "LN(x)",
+                "every token to mean {mu:.0e}, std {sd:.3f} (then a learned scale and shift)",
+            ),
+            ("Q split into 2 heads", "(batch, head, token, d_k = 8 / 2)"),
+            ("multi-head attention", "each head attends on its own; joined and projected back"),
+            ("x + Attn(LN(x))", "the residual: the input is kept, attention adds to it"),
+            ("FFN: Linear 8 → 32, GELU", "per token, no mixing across tokens"),
+            ("     Linear 32 → 8", ""),
+            ("+ residual: the block", "same shape as its input: blocks stack"),
+            "(equal to qkv.nn.TransformerBlock(8, 2)(x): max difference {diff:.1e})",
+        ],
+    },
+    "zh": {
+        "kept": "{name}：保留了 {share:.0%} 的块",
+        "none": "  （上面没有测出开销曲线，所以这里没有可比较的数据）",
+        "at": "  上面测得的结果，前向，N = {n}：",
+        "memory": "    内存：朴素公式的峰值为 {naive:,.0f} MiB，分块内核为 {tiled:,.0f} MiB"
+        "（仅为前者的 1/{ratio:.1f}：它从不保存 N × N 矩阵）",
+        "time": "    时间：稠密注意力（torch SDPA）{dense:.1f} ms，滑动窗口 {window:.1f} ms"
+        "（速度是前者的 {ratio:.1f} 倍：空块从不计算）",
+        "cost": "一个 d_k = 64 的头在 N = {n:,} 个词元时：QKᵀ 和 AV 要 {flops}，"
+        "仅分数矩阵在 fp32 下就有 {nbytes}。",
+        "answers": "本章给出的两个答案：",
+        "sparse": "- 稀疏注意力让每个词元只看其中一部分词元。N = {n} 时 {t} × {t} 的块"
+        "（'#' 整块计算，'+' 带掩码计算，'.' 从不计算）：",
+        "flash": "- FlashAttention 逐块、精确地计算稠密注意力，用在线 softmax"
+        "（每行维护一个运行中的最大值和总和），因此从不保存 N × N 矩阵："
+        "内存为 O(N) 而不是 O(N²)，前向和反向都是如此（qkv 的 `tiled` 后端及其编译内核）。",
+        "visual": [
+            "图像以一串词元的形式进入模型，注意力的开销随词元数的平方增长。",
+            "Qwen2-VL 把图像切成 14 像素的小块，再把 2 × 2 个小块合并成一个词元：",
+            "⌈H/28⌉ · ⌈W/28⌉ 个词元（先在其像素上下限内缩放）。LLaVA-NeXT 用 336 像素的",
+            "图块覆盖图像，每块 24 × 24 个特征，另加一张 24 × 24 的整体缩略图，",
+            "并在每行特征后加一个换行词元。",
+        ],
+        "visual_cols": ("图像", "Qwen2-VL", "LLaVA-NeXT", "在这些词元上做稠密注意力（Qwen2-VL）"),
+        "scores": "每个头、每一层 {scores:,} 个分数",
+        "visual_more": "`qkv tokens --image 宽x高` 可给出任意尺寸的详细数字。",
+        "block": [
+            "下一章把注意力堆叠成 Transformer 块（前置归一化，如 GPT-2 和 Llama）："
+            "x + Attn(LN(x))，再 + FFN(LN(·))。在 N = 4 个宽度 d = 8 的词元上，2 个头：",
+            ("x", ""),
+            ("LN(x)", "每个词元的均值变为 {mu:.0e}，标准差 {sd:.3f}（再乘以学到的缩放、加上偏移）"),
+            ("Q 拆成 2 个头", "（批，头，词元，d_k = 8 / 2）"),
+            ("多头注意力", "每个头各自计算注意力；拼接后投影回原宽度"),
+            ("x + Attn(LN(x))", "残差：保留输入，注意力的结果加在上面"),
+            ("FFN：线性 8 → 32，GELU", "逐词元计算，词元之间不混合"),
+            ("     线性 32 → 8", ""),
+            ("+ 残差：整个块", "形状与输入相同：块可以层层堆叠"),
+            "（与 qkv.nn.TransformerBlock(8, 2)(x) 的结果相同：最大差值 {diff:.1e}）",
+        ],
+    },
+}
 
 
-def _pictures() -> list[str]:
+def _text(lang: str) -> dict:
+    if lang not in LANGS:
+        raise ValueError(f"lang must be en or zh, got {lang!r}")
+    return TEXT[lang]
+
+
+def _pictures(lang: str = "en") -> list[str]:
     """The patterns' kept tiles side by side: '#' full, '+' partial, '.' skipped."""
     grids, heads = [], []
-    for name, rule in PATTERNS:
+    names = [n for n, _ in PATTERNS] if lang == "en" else PATTERN_NAMES_ZH
+    for name, (_, rule) in zip(names, PATTERNS, strict=True):
         lay = rule.blocks(TILE_N, TILE_N, TILE, TILE)
         grids.append(lay.show().splitlines())
-        heads.append(f"{name}: {lay.kept_fraction:.0%} of tiles kept")
+        heads.append(_text(lang)["kept"].format(name=name, share=lay.kept_fraction))
     lines = [f"  {i + 1}. {h}" for i, h in enumerate(heads)]
     width = len(grids[0][0])
     lines.append("     " + "".join(f"{i + 1}.".ljust(width + 6) for i in range(len(grids))))
@@ -48,78 +151,64 @@ def _pictures() -> list[str]:
     return lines
 
 
-def _measured(records: list[dict] | None) -> list[str]:
+def _measured(records: list[dict] | None, lang: str = "en") -> list[str]:
     """What the demo's cost curve measured at its largest N, forward."""
+    t = _text(lang)
     fwd = [r for r in records or [] if r["pass"] == "forward" and r["time_s"] is not None]
     by = {(r["method"], r["n"]): r for r in fwd}
     ns = sorted({n for m, n in by if m == "naive"} & {n for m, n in by if m == "tiled"})
     if not ns:
-        return ["  (the cost curve above was not measured, so there is nothing to compare here)"]
+        return [t["none"]]
     n = ns[-1]
     naive, tiled = by[("naive", n)], by[("tiled", n)]
-    out = [f"  Measured above, forward at N = {n}:"]
+    out = [t["at"].format(n=n)]
     if naive["peak_mib"] and tiled["peak_mib"]:
-        out.append(
-            f"    memory: the naive formula peaked at {naive['peak_mib']:,.0f} MiB, the tiled "
-            f"kernel at {tiled['peak_mib']:,.0f} MiB ({naive['peak_mib'] / tiled['peak_mib']:.1f}× "
-            "less: it never holds the N × N matrix)"
-        )
+        a, b = naive["peak_mib"], tiled["peak_mib"]
+        out.append(t["memory"].format(naive=a, tiled=b, ratio=a / b))
     dense, window = by.get(("sdpa", n)), by.get(("window", n))
     if dense and window:
-        out.append(
-            f"    time: dense attention (torch SDPA) {dense['time_s'] * 1e3:.1f} ms, the sliding "
-            f"window {window['time_s'] * 1e3:.1f} ms ({dense['time_s'] / window['time_s']:.1f}× "
-            "faster: its empty tiles are never computed)"
-        )
+        a, b = dense["time_s"], window["time_s"]
+        out.append(t["time"].format(dense=a * 1e3, window=b * 1e3, ratio=a / b))
     return out
 
 
-def long_context(records: list[dict] | None = None) -> str:
+def long_context(records: list[dict] | None = None, lang: str = "en") -> str:
+    t = _text(lang)
     flops, nbytes = cost(LONG_N, 64)
     return "\n".join(
         [
-            f"One head with d_k = 64 at N = {LONG_N:,} tokens: QKᵀ and AV cost "
-            f"{human(flops, 'FLOP')}, and the score matrix alone is {human(nbytes, 'B')} "
-            "in fp32.",
-            "The chapter's two answers:",
-            "- Sparse attention lets each token see only some others. Tiles of "
-            f"{TILE} × {TILE} at N = {TILE_N} ('#' computed whole, '+' computed with a mask, "
-            "'.' never computed):",
-            *_pictures(),
-            "- FlashAttention computes dense attention exactly, tile by tile, with an online "
-            "softmax (a running max and sum per row), so it never holds the N × N matrix: memory "
-            "O(N) instead of O(N²), forward and backward (qkv's `tiled` backend and its compiled "
-            "kernels).",
-            *_measured(records),
+            t["cost"].format(n=LONG_N, flops=human(flops, "FLOP"), nbytes=human(nbytes, "B")),
+            t["answers"],
+            t["sparse"].format(t=TILE, n=TILE_N),
+            *_pictures(lang),
+            t["flash"],
+            *_measured(records, lang),
         ]
     )
 
 
-def visual_tokens() -> str:
+def visual_tokens(lang: str = "en") -> str:
     from ..vision.tokens import image_tokens
 
+    t = _text(lang)
+    cols = t["visual_cols"]
     rows = [
-        "An image enters the model as a sequence of tokens, and attention's cost grows with its",
-        "square. Qwen2-VL cuts it into 14-px patches and merges 2 × 2 of them into one token:",
-        "⌈H/28⌉ · ⌈W/28⌉ tokens (after resizing within its pixel limits). LLaVA-NeXT covers it",
-        "with 336-px tiles of 24 × 24 features, adds a 24 × 24 base image and one newline token",
-        "per feature row.",
+        *t["visual"],
         "",
-        f"  {'image':>11} {'Qwen2-VL':>10} {'LLaVA-NeXT':>11}   "
-        "dense attention over them (Qwen2-VL)",
+        f"  {rjust(cols[0], 11)} {rjust(cols[1], 10)} {rjust(cols[2], 11)}   {cols[3]}",
     ]
     for side in IMAGE_SIDES:
         q = image_tokens("qwen2-vl", side, side).tokens
         ll = image_tokens("llava-next", side, side).tokens
-        rows.append(
-            f"  {f'{side}×{side}':>11} {q:>10,} {ll:>11,}   {q * q:,} scores per head and layer"
-        )
-    rows.append("`qkv tokens --image WxH` gives the details for any size.")
+        scores = t["scores"].format(scores=q * q)
+        rows.append(f"  {f'{side}×{side}':>11} {q:>10,} {ll:>11,}   {scores}")
+    rows.append(t["visual_more"])
     return "\n".join(rows)
 
 
-def transformer_block(seed: int = 0) -> str:
+def transformer_block(seed: int = 0, lang: str = "en") -> str:
     """The next chapter's block on the walk-through's N = 4, d = 8 example, two heads of 4."""
+    t = _text(lang)
     torch.manual_seed(seed)
     block = TransformerBlock(d_model=8, n_heads=2, norm="layernorm", pre_norm=True).double()
     x = torch.randn(1, 4, 8, dtype=torch.float64)
@@ -134,26 +223,13 @@ def transformer_block(seed: int = 0) -> str:
         f = block.ffn(h2)
         out = x1 + f
         whole = block(x)
-    mu, sd = h.mean(-1), h.std(-1, unbiased=False)
-    return "\n".join(
-        [
-            "The next chapter stacks attention into a Transformer block (pre-norm, as GPT-2 and "
-            "Llama): x + Attn(LN(x)), then + FFN(LN(·)). On N = 4 tokens of width d = 8, 2 heads:",
-            f"  x                         {tuple(x.shape)}",
-            f"  LN(x)                     {tuple(h.shape)}   every token to mean "
-            f"{mu.abs().max().item():.0e}, std {sd.mean().item():.3f} "
-            "(then a learned scale and shift)",
-            f"  Q split into 2 heads      {tuple(q.shape)}   (batch, head, token, d_k = 8 / 2)",
-            f"  multi-head attention      {tuple(a.shape)}   each head attends on its own; "
-            "joined and projected back",
-            f"  x + Attn(LN(x))           {tuple(x1.shape)}   the residual: the input is kept, "
-            "attention adds to it",
-            f"  FFN: Linear 8 → 32, GELU  {tuple(hidden.shape)}   "
-            "per token, no mixing across tokens",
-            f"       Linear 32 → 8        {tuple(f.shape)}",
-            f"  + residual: the block     {tuple(out.shape)}   "
-            "same shape as its input: blocks stack",
-            f"  (equal to qkv.nn.TransformerBlock(8, 2)(x): max difference "
-            f"{(out - whole).abs().max().item():.1e})",
-        ]
-    )
+    mu, sd = h.mean(-1).abs().max().item(), h.std(-1, unbiased=False).mean().item()
+    shapes = (x, h, q, a, x1, hidden, f, out)
+    intro, *steps, last = t["block"]
+    lines = [intro]
+    for (name, note), value in zip(steps, shapes, strict=True):
+        shown = ljust(name, 26) + str(tuple(value.shape))
+        note = note.format(mu=mu, sd=sd)
+        lines.append(f"  {ljust(shown, 41)}{note}".rstrip() if note else f"  {shown}")
+    lines.append("  " + last.format(diff=(out - whole).abs().max().item()))
+    return "\n".join(lines)
