@@ -83,6 +83,8 @@ def test_summary_in_both_languages_and_the_figure(doc, tmp_path):
     word = "holds" if held["training"] else "does not hold"
     assert f"claim: without the scale, training stalls → {word}" in en
     assert f"{doc['variance'][-1]['unscaled']:>12.3f}" in en
+    assert "≥ 1.5× higher with scale 1" in en  # the English rule, and the same ratio in Chinese:
+    assert "不缩放时的损失至少是缩放时的 1.5 倍" in zh and "高 1.5 倍" not in zh  # not "2.5×"
     pytest.importorskip("matplotlib")
     scale.figure(doc, tmp_path / "scale.png")
     assert (tmp_path / "scale.png").stat().st_size > 0
