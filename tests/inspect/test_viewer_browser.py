@@ -1,6 +1,8 @@
 """The viewer in a real headless Chromium (Debian's `chromium`, driven by Playwright): no
 network, a 128-token input from the real model, and a click shows the right weights (of a head,
-and of the attention rollout).
+and of the attention rollout); the heatmap reads out the hovered cell's weight, the all-heads
+view draws each head in its colour with chips that hide them, both speak Chinese, and every
+view fits 1280×800 and 1920×1080 without sideways scrolling.
 
 Skipped when Playwright or Chromium is missing, unless QKV_REQUIRE_BROWSER=1 (CI sets it, so
 there a missing browser is a failure, not a skip)."""
@@ -8,6 +10,7 @@ there a missing browser is a failure, not a skip)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 
@@ -189,3 +192,260 @@ def test_a_laptop_screen_shows_every_head_numbered_with_a_legend_and_the_unk_not
         page.wait_for_function("window.qkvViewerReady === true", timeout=10_000)
         assert page.input_value("#lang") == "zh" and page.inner_text("#l-layer") == "层"
         browser.close()
+
+
+# The heatmap, all heads at once, and both screen sizes: synthetic maps of the model's shape
+# (6 layers, 12 heads), sharp enough that each head has a few strong links.
+
+
+def _map(words, seed=0):
+    import torch
+
+    from qkv.inspect.attend import AttentionMap
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (6, 12, len(words), len(words))
+    w = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).softmax(-1)
+    return AttentionMap.from_weights(w, words, text=" ".join(words))
+
+
+WORDS = ["[CLS]", "the", "cat", "sat", "on", "mat", "because", "it", "was", "tired", "[SEP]"]
+
+
+def _open(p, chromium, path, width=1280, height=800):
+    """A browser, the viewer open in it at width×height, and the list its errors go to."""
+    browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+    page = browser.new_page(viewport={"width": width, "height": height})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(path.as_uri())
+    page.wait_for_function("window.qkvViewerReady === true", timeout=10_000)
+    return browser, page, errors
+
+
+def _three_decimals(want: float) -> set[str]:
+    """What the page may show for the weight `want`: its 16-bit copy (within 0.5/65535 < 1e-5
+    of `want`) to three decimals. One answer, or both neighbours where `want` lies within 1e-5
+    of a rounding boundary."""
+    return {f"{max(0.0, want - 1e-5):.3f}", f"{want + 1e-5:.3f}"}
+
+
+def _hover_cell(page, i, j) -> str:
+    """Point at the heatmap's cell (row i = looking word, column j) and read the readout."""
+    heat = page.query_selector("#heatmap")
+    heat.scroll_into_view_if_needed()
+    box = heat.bounding_box()
+    m, cell = (float(heat.get_attribute(a)) for a in ("data-margin", "data-cell"))
+    page.mouse.move(box["x"] + m + (j + 0.5) * cell, box["y"] + m + (i + 0.5) * cell)
+    return page.inner_text("#readout")
+
+
+def test_the_heatmap_shows_the_weight_of_the_hovered_cell(tmp_path):
+    sync_playwright, chromium = _browser()
+    amap = _map(WORDS)
+    path = write_viewer(amap, tmp_path / "v.html")
+    long_words = [f"w{k}" for k in range(128)]
+    long_map = _map(long_words, seed=1)
+    long_path = write_viewer(long_map, tmp_path / "long.html")
+    with sync_playwright() as p:
+        browser, page, errors = _open(p, chromium, path)
+        assert page.is_visible("#lines") and not page.is_visible("#heatmap")
+        page.click("#modes button[data-mode=heatmap]")
+        assert page.is_visible("#heatmap") and not page.is_visible("#lines")
+        assert page.get_attribute("#modes button[data-mode=heatmap]", "aria-pressed") == "true"
+        page.select_option("#layer", "3")
+        page.select_option("#head", "7")
+        for i, j in [(7, 2), (2, 7), (0, 10), (10, 0), (5, 5)]:  # both triangles, corners
+            want = amap.weights[3, 7, i, j].item()
+            shown = _hover_cell(page, i, j)
+            assert shown in {f"{WORDS[i]} → {WORDS[j]}: {v}" for v in _three_decimals(want)}
+        page.select_option("#head", "-1")  # the mean over the layer's heads
+        want = amap.weights[3, :, 7, 2].mean().item()
+        assert _hover_cell(page, 7, 2) in {f"it → cat: {v}" for v in _three_decimals(want)}
+        page.select_option("#head", "-2")  # the rollout through layers 0..3
+        want = amap.rollout()[3, 7, 2].item()
+        assert _hover_cell(page, 7, 2) in {f"it → cat: {v}" for v in _three_decimals(want)}
+        page.select_option("#head", "7")
+        _hover_cell(page, 7, 2)
+        page.mouse.down()
+        page.mouse.up()  # a click keeps the row's word: the side lists its weights
+        assert page.inner_text("#selected").startswith('"it" (word 7) looks at, layer 3, head 7')
+        _agree(_shown(page), _expected(amap, 3, 7, 7))
+        assert page.is_visible("#heat-row")
+        page.mouse.move(0, 0)
+        assert "hover a cell" in page.inner_text("#readout")
+        browser.close()
+        assert errors == []
+
+        browser, page, errors = _open(p, chromium, long_path)  # 128 words: 16k cells on one canvas
+        page.click("#modes button[data-mode=heatmap]")
+        page.select_option("#layer", "5")
+        page.select_option("#head", "11")
+        draw_ms = page.evaluate("window.qkvLastDrawMs")
+        assert int(page.get_attribute("#heatmap", "data-step")) > 1  # every word can't be named
+        for i, j in [(100, 3), (3, 100), (127, 127), (64, 65)]:
+            want = long_map.weights[5, 11, i, j].item()
+            shown = _hover_cell(page, i, j)
+            assert shown in {f"w{i} → w{j}: {v}" for v in _three_decimals(want)}
+        browser.close()
+        assert errors == []
+    print(f"\n[viewer] 128-word heatmap drawn in {draw_ms:.1f} ms")
+
+
+def _links(page):
+    return page.eval_on_selector_all(
+        "#lines line",
+        """ls => ls.map(l => ({head: +l.dataset.head, i: +l.dataset.i, j: +l.dataset.j,
+                              w: +l.dataset.w, colour: getComputedStyle(l).stroke}))""",
+    )
+
+
+def _readout_at(page, link) -> str:
+    """Point at the middle of the drawn link (its head, looking word i, attended word j)."""
+    line = page.query_selector(
+        f"#lines line[data-head='{link['head']}'][data-i='{link['i']}'][data-j='{link['j']}']"
+    )
+    box = line.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    return page.inner_text("#readout")
+
+
+def test_all_heads_at_once_each_in_its_colour_with_chips_that_hide_them(tmp_path):
+    sync_playwright, chromium = _browser()
+    amap = _map(WORDS, seed=2)
+    path = write_viewer(amap, tmp_path / "v.html")
+    layer, word = 4, 7  # "it"
+    w = amap.weights[layer, :, word]  # (heads, words)
+    with sync_playwright() as p:
+        browser, page, errors = _open(p, chromium, path)
+        page.select_option("#layer", str(layer))
+        page.click("#modes button[data-mode=heads]")
+        assert not page.is_visible("#head") and page.is_visible("#chips")
+        page.click(f'#lines text[data-side=from][data-i="{word}"]')  # keep "it"
+        page.mouse.move(0, 0)
+        links = _links(page)
+        drawn = {(k["head"], k["j"]) for k in links}
+        assert len(drawn) == len(links) and {k["i"] for k in links} == {word}
+        # every link of weight ≥ 0.01, one set per head (a weight within the 16-bit error of
+        # 0.01 may go either way)
+        assert {(h, j) for h in range(12) for j in range(11) if w[h, j] >= 0.01 + 1e-5} <= drawn
+        assert drawn <= {(h, j) for h in range(12) for j in range(11) if w[h, j] >= 0.01 - 1e-5}
+        assert {k["head"] for k in links} == set(range(12))
+        for k in links:
+            assert abs(k["w"] - w[k["head"], k["j"]].item()) <= 1e-5, k
+        colours = {h: {k["colour"] for k in links if k["head"] == h} for h in range(12)}
+        assert (
+            all(len(c) == 1 for c in colours.values()) and len(set.union(*colours.values())) == 12
+        )
+        chip = page.eval_on_selector_all(
+            "#chips .chip", "cs => cs.map(c => getComputedStyle(c).backgroundColor)"
+        )
+        assert chip == [colours[h].pop() for h in range(12)]  # a head's chip is its colour
+
+        # hovering a link names its head and weight (the topmost link under the pointer)
+        pattern = re.compile(r"^head (\d+): it → (\S+): (\d\.\d{3})$")
+        for k in sorted(links, key=lambda k: -k["w"])[:8]:
+            m = pattern.match(_readout_at(page, k))
+            assert m, page.inner_text("#readout")
+            h, j = int(m[1]), WORDS.index(m[2])
+            assert m[3] in _three_decimals(w[h, j].item()), (m.group(0), w[h, j].item())
+
+        page.click("#chips button#chips-none")
+        assert _links(page) == []
+        assert page.get_attribute("#chips .chip[data-head='5']", "aria-pressed") == "false"
+        page.click("#chips .chip[data-head='5']")  # head 5 alone: each of its links hovered
+        alone = _links(page)
+        assert {k["head"] for k in alone} == {5} and alone
+        for k in alone:
+            want = w[5, k["j"]].item()
+            assert _readout_at(page, k) in {
+                f"head 5: it → {WORDS[k['j']]}: {v}" for v in _three_decimals(want)
+            }
+        page.hover("#chips .chip[data-head='5']")  # a chip tells its head's strongest link
+        j = int(w[5].argmax())
+        want = {
+            f"head 5: it → {WORDS[j]}: {v} (its strongest link)"
+            for v in _three_decimals(w[5, j].item())
+        }
+        assert page.inner_text("#readout") in want
+
+        page.click("#chips button#chips-all")
+        assert {k["head"] for k in _links(page)} == set(range(12))
+        page.click("#chips .chip[data-head='3']")  # head 3 off: its links go, the rest stay
+        assert page.get_attribute("#chips .chip[data-head='3']", "aria-pressed") == "false"
+        heads = [k["head"] for k in _links(page)]
+        assert 3 not in heads and set(heads) == set(range(12)) - {3}
+        assert len(heads) == len(links) - sum(1 for k in links if k["head"] == 3)
+        page.click("#chips .chip[data-head='3']")
+        assert len(_links(page)) == len(links)
+        assert page.inner_text("#selected").startswith('"it" (word 7) looks at, layer 4, all heads')
+        browser.close()
+        assert errors == []
+
+
+def test_the_new_modes_speak_chinese(tmp_path):
+    sync_playwright, chromium = _browser()
+    words = ["[CLS]", "猫", "在", "垫子", "上", "[SEP]"]
+    amap = _map(words, seed=3)
+    path = write_viewer(amap, tmp_path / "v.html")
+    with sync_playwright() as p:
+        browser, page, errors = _open(p, chromium, path)
+        assert page.evaluate("Object.keys(T.en).join()") == page.evaluate(
+            "Object.keys(T.zh).join()"
+        )
+        page.select_option("#lang", "zh")
+        modes = page.eval_on_selector_all("#modes button", "bs => bs.map(b => b.textContent)")
+        assert modes == ["连线", "热力图", "多头叠加"] and page.inner_text("#l-view") == "视图"
+        assert page.inner_text("#readout") == "把鼠标移到连线上查看权重"
+        page.click("#modes button[data-mode=heatmap]")
+        assert page.inner_text("#readout").startswith("把鼠标移到格子上查看权重")
+        assert page.inner_text("#hint").startswith("行：发出注意的词")
+        want = amap.weights[0, 0, 1, 3].item()
+        assert _hover_cell(page, 1, 3) in {f"猫 → 垫子：{v}" for v in _three_decimals(want)}
+        page.click("#modes button[data-mode=heads]")
+        assert page.inner_text("#l-chips") == "头"
+        assert (page.inner_text("#chips-all"), page.inner_text("#chips-none")) == ("全部", "全不选")
+        assert page.inner_text("#readout").startswith("点击头的色块隐藏或显示它")
+        page.hover("#chips .chip[data-head='2']")
+        assert page.inner_text("#readout") == "第 2 个头：点击一个词查看它的连线"
+        page.click('#lines text[data-side=from][data-i="1"]')
+        k = _links(page)[0]  # the strongest link: another head's may lie over its middle
+        m = re.match(r"^第 (\d+) 个头：猫 → (\S+)：(\d\.\d{3})$", _readout_at(page, k))
+        assert m, page.inner_text("#readout")
+        assert m[3] in _three_decimals(amap.weights[0, int(m[1]), 1, words.index(m[2])].item())
+        browser.close()
+        assert errors == []
+
+
+def test_both_screens_show_every_mode_without_sideways_scrolling(tmp_path):
+    """At 1280×800 and 1920×1080, in each mode, nothing sticks out to the right: not the
+    controls, not the heatmap, not the overview's rollout column; the wide screen's width is
+    used (the overview reaches its right edge)."""
+    sync_playwright, chromium = _browser()
+    words = [*WORDS[:-1], "extraordinarily-long-hyphenated-word", "[SEP]"]
+    path = write_viewer(_map(words), tmp_path / "v.html")
+    with sync_playwright() as p:
+        for width, height in [(1280, 800), (1920, 1080)]:
+            browser, page, errors = _open(p, chromium, path, width, height)
+            page.click('#lines text[data-side=from][data-i="7"]')
+            for mode in ["links", "heatmap", "heads"]:
+                page.click(f"#modes button[data-mode={mode}]")
+                page.mouse.move(0, 0)
+                assert page.evaluate("document.documentElement.scrollWidth") <= width, mode
+                shown = [
+                    "#controls",
+                    "#view",
+                    "#side",
+                    "#overview canvas[data-layer='5'][data-head='-2']",
+                ]
+                shown += ["#heatmap"] if mode == "heatmap" else ["#lines"]
+                shown += ["#chips"] if mode == "heads" else []
+                for selector in shown:
+                    box = page.query_selector(selector).bounding_box()
+                    assert box["x"] >= 0 and box["x"] + box["width"] <= width, (mode, selector, box)
+                last = page.query_selector("#overview canvas[data-layer='0'][data-head='-2']")
+                box = last.bounding_box()
+                assert box["width"] >= 20 and box["x"] + box["width"] >= width - 40, (mode, box)
+                page.screenshot(path=str(tmp_path / f"{mode}-{width}x{height}.png"))
+            browser.close()
+            assert errors == []

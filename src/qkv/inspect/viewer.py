@@ -1,11 +1,14 @@
 """A self-contained HTML viewer of an `AttentionMap`: one file, data embedded, no network.
 
 Pick a layer and a head (or the mean of a layer's heads, or the attention rollout through that
-layer: where information has ended up after it); hover or click a word to see where it looks as
-links whose width and opacity follow the weight, with its ten strongest weights listed; an
-overview shows every head's matrix and each layer's rollout, and clicking one selects it. Long
-inputs draw only each word's top-k links (5 by default above 40 words) so the page stays
-responsive.
+layer: where information has ended up after it) and one of three views: *links*, where hovering
+or clicking a word shows where it looks as links whose width and opacity follow the weight;
+*heatmap*, the whole matrix (rows: the looking word, columns: the word looked at) on one canvas,
+a cell's weight read out under the pointer; *all heads*, every head of the layer drawn at once
+in its own colour (bertviz's head view), with a chip per head that hides or shows it. The
+chosen word's ten strongest weights are listed, and an overview shows every head's matrix and
+each layer's rollout; clicking one selects it. Long inputs draw only each word's top-k links (5
+by default above 40 words) and thin out the heatmap's labels, so the page stays responsive.
 
 Weights are embedded as 16-bit fixed point (weight · 65535, base64): error ≤ 8·10⁻⁶, well below
 the three decimals shown, and a 128-word map of a 6-layer, 12-head model stays ~3 MB.
