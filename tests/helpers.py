@@ -109,7 +109,7 @@ def matmul_flops(fn) -> int:
     implementation under the mode, so that the products they really run are counted."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from qkv.kernels import tiled_op
+    from qkv.kernels.tiled import op as tiled_op
 
     def inside(impl):
         def rule(mode, func, types, args, kwargs):

@@ -74,6 +74,76 @@ def test_imports_flow_down_the_layers():
     assert not upward, "\n".join(upward)
 
 
+def _module_of(target: tuple[str, ...], name: str | None) -> tuple[str, ...] | None:
+    """The qkv module an import loads: `from A import n` is module A.n when that is a module
+    (or package), else A itself; a package is its `__init__`."""
+    for parts in ((*target, name), target) if name else (target,):
+        if not parts:
+            continue
+        if SRC.joinpath(*parts).with_suffix(".py").exists():
+            return parts
+        if SRC.joinpath(*parts, "__init__.py").exists():
+            return (*parts, "__init__")
+    return None
+
+
+def import_graph() -> dict[tuple[str, ...], set[tuple[str, ...]]]:
+    """Every qkv module → the qkv modules it imports, anywhere in it (functions included)."""
+    graph: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
+    for path, parts in _modules():
+        edges = graph.setdefault(parts, set())
+        for target, name, _ in _imports(path, parts):
+            module = _module_of(tuple(target), name)
+            if module is not None and module != parts:
+                edges.add(module)
+    return graph
+
+
+def circles(graph: dict) -> list[list[tuple[str, ...]]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    on_stack: set = set()
+    found: list = []
+
+    def visit(v) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_circles():
+    shown = [" ↔ ".join("/".join(m) for m in group) for group in circles(import_graph())]
+    assert not shown, "\n".join(shown)
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = {("a",): {("b",)}, ("b",): {("c",)}, ("c",): {("a",)}, ("d",): {("a",)}}
+    assert circles(graph) == [[("a",), ("b",), ("c",)]]
+
+
 def test_nn_never_imports_distributed():
     found = [
         f"{'/'.join(parts)}:{node.lineno}"

@@ -211,12 +211,12 @@ def test_first_call_under_compile_registers_the_ops():
     first attention call is being traced registers them then and still gets one graph."""
     code = (
         "import sys, torch, qkv\n"
-        "assert 'qkv.kernels.tiled_op' not in sys.modules\n"
+        "assert 'qkv.kernels.tiled.op' not in sys.modules\n"
         "blk = qkv.nn.TransformerBlock(32, 4, n_kv_heads=2, backend='tiled')\n"
         "x = torch.randn(2, 40, 32)\n"
         "y = torch.compile(lambda x: blk(x, causal=True), fullgraph=True)(x)\n"
         "y.square().sum().backward()\n"
-        "assert 'qkv.kernels.tiled_op' in sys.modules\n"
+        "assert 'qkv.kernels.tiled.op' in sys.modules\n"
     )  # fullgraph=True raises on a graph break; the numbers are the test above's
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

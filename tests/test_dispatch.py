@@ -149,7 +149,7 @@ def test_each_path_follows_its_measured_crossovers(isa, monkeypatch):
     # whatever the table says: float32 gradients, structured masks, causal with Nq < Nk.
     if cpu_kernel_or("") != "cpu":
         pytest.skip("the compiled CPU kernel is not available here")
-    from qkv.kernels import cpu_backend
+    from qkv.kernels.cpu import backend as cpu_backend
     from qkv.kernels.cpu import crossover
 
     monkeypatch.setattr(cpu_backend, "kernel_status", lambda: (isa, None))

@@ -15,7 +15,7 @@ import torch
 from qkv import masks, scores
 from qkv.dispatch import choose
 from qkv.kernels import BACKENDS
-from qkv.kernels import triton as triton_backend
+from qkv.kernels.triton import backend as triton_backend
 from qkv.plan import make_plan
 
 CUDA = torch.device("cuda", 0)

@@ -9,7 +9,7 @@ import torch
 import qkv
 from qkv import masks
 from qkv.kernels import BACKENDS
-from qkv.kernels.fused import FusedStrips
+from qkv.kernels.tiled.fused import FusedStrips
 from qkv.plan import make_plan
 
 from .helpers import BACKENDS as TEST_BACKENDS

@@ -239,9 +239,9 @@ def fixed_cost(settings: Settings, results: Results) -> dict:
     replaced by a stub that returns the op's results (so the time is the path alone: timing
     the whole call and subtracting the op's time leaves noise ten times the difference). The
     share is path ÷ (path + op)."""
-    from qkv.kernels import cpu_op
     from qkv.kernels.cpu import kernel_layout, load
-    from qkv.kernels.cpu_backend import default_block_q, kernel_status
+    from qkv.kernels.cpu import op as cpu_op
+    from qkv.kernels.cpu.backend import default_block_q, kernel_status
     from qkv.plan import make_plan
 
     isa, why = kernel_status()

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv import masks
-from qkv.kernels.tiled import BLOCK_Q
+from qkv.kernels.tiled.backend import BLOCK_Q
 
 from .. import report as rp
 from ..results import Results

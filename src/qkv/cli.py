@@ -315,7 +315,7 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
 def _tune(args: argparse.Namespace) -> None:
     from . import tune
     from .kernels.cpu import crossover
-    from .kernels.cpu_backend import kernel_status
+    from .kernels.cpu.backend import kernel_status
 
     isa, why = kernel_status()
     if isa is None:

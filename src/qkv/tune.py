@@ -32,7 +32,7 @@ import torch
 
 from .functional import attention
 from .kernels.cpu import build, crossover
-from .kernels.cpu_backend import kernel_status
+from .kernels.cpu.backend import kernel_status
 from .plan import make_plan
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -297,8 +297,8 @@ def test_the_backward_tiles_the_queries_by_its_own_block_size(monkeypatch, causa
     # The causal backward takes tiles of 128 rows where the forward takes 256 (default_block_q):
     # the forward's weights are recomputed bit for bit whatever the tiling, so the gradients
     # keep the rule.
-    from qkv.kernels import cpu_op
-    from qkv.kernels.cpu_backend import default_block_q
+    from qkv.kernels.cpu import op as cpu_op
+    from qkv.kernels.cpu.backend import default_block_q
 
     seen = []
     real = cpu_op.cpu_backward

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from qkv.kernels import cpu
-from qkv.kernels.cpu_backend import kernel_status
+from qkv.kernels.cpu.backend import kernel_status
 
 _GRID = r"""
 import itertools, json, sys, torch, qkv

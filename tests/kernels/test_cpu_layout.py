@@ -1,5 +1,5 @@
-"""What the compiled kernel reads of the block layout (`qkv.kernels.cpu.layout`): the tiles of
-`qkv.layout.layout_for`, bits equal to the dense mask, a transposed list of the same tiles,
+"""What the compiled kernel reads of the block layout (`qkv.kernels.cpu.tile_encoding`): the
+tiles of `qkv.layout.layout_for`, bits equal to the dense mask, a transposed list of the same tiles,
 O(kept tiles) memory, and qkv's cache."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from qkv import masks
 from qkv.cache import CACHE
-from qkv.kernels.cpu import layout as lay
+from qkv.kernels.cpu import tile_encoding as lay
 from qkv.layout import EMPTY, FULL, PARTIAL, block_layout, layout_for
 from qkv.plan import make_plan
 
@@ -141,7 +141,7 @@ MILLION = """
 import time, torch
 from qkv import masks
 from qkv.plan import make_plan
-from qkv.kernels.cpu import layout as lay
+from qkv.kernels.cpu import tile_encoding as lay
 from qkv.kernels.cpu import load
 if LOAD:  # the compiled kernel's one-pass build; else the tile-by-tile examination
     assert load() is not None

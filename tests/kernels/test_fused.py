@@ -1,4 +1,4 @@
-"""The fused-strips path of the tiled backend (kernels/fused.py) against the fp64 golden.
+"""The fused-strips path of the tiled backend (kernels/tiled/fused.py) against the fp64 golden.
 
 Small layout tiles (8×8), strips of at most 16 rows, windows wider than 24 keys run alone and
 a small byte budget: so that N=50 already has many strips, several groups, batches cut by the
@@ -12,10 +12,11 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv.kernels import TiledBackend, tiled_op
-from qkv.kernels import fused as fused_mod
-from qkv.kernels import tiled as tiled_mod
-from qkv.kernels.fused import FusedStrips
+from qkv.kernels import TiledBackend
+from qkv.kernels.tiled import backend as tiled_mod
+from qkv.kernels.tiled import fused as fused_mod
+from qkv.kernels.tiled import op as tiled_op
+from qkv.kernels.tiled.fused import FusedStrips
 
 from ..helpers import assert_error_ratio, make_qkv
 

@@ -105,7 +105,7 @@ def test_backward_keeps_short_strips_and_recomputes_long_ones(monkeypatch):
     """With strips on both sides of STRIP_KEEP (causal: strip lengths grow), the strips that fit
     keep P and dP between the backward's phases, the others recompute them: same gradients,
     bit for bit (it failed with an empty buffer when the longest strip did not fit)."""
-    from qkv.kernels import steps
+    from qkv.kernels.tiled import steps
 
     be = TiledBackend(8, 8, max_rows=8, max_cols=16)
     q, k, v = make_qkv(B=1, H=2, Nq=64, D=8, requires_grad=True)

@@ -20,7 +20,7 @@ import torch
 def _import_interpreted_kernels():
     """Import triton and the kernels with TRITON_INTERPRET=1, or return a reason why they
     cannot run in the interpreter in this process."""
-    name = "qkv.kernels.triton_kernels"
+    name = "qkv.kernels.triton.kernels"
     if name in sys.modules:
         mod = sys.modules[name]
         return mod if mod.INTERPRETED else f"{name} was imported without TRITON_INTERPRET=1"
@@ -32,7 +32,7 @@ def _import_interpreted_kernels():
             return "triton was imported before TRITON_INTERPRET=1 could be set"
     os.environ["TRITON_INTERPRET"] = "1"
     pytest.importorskip("triton", reason="triton is not installed (pip install 'qkv[triton]')")
-    from qkv.kernels import triton_kernels
+    from qkv.kernels.triton import kernels as triton_kernels
 
     return triton_kernels
 
@@ -48,7 +48,7 @@ if isinstance(_kernels, str):  # pragma: no cover - only when something imported
 import qkv  # noqa: E402
 from qkv import masks, scores  # noqa: E402
 from qkv.kernels import TritonBackend  # noqa: E402
-from qkv.kernels import triton_host as triton_mod  # noqa: E402
+from qkv.kernels.triton import host as triton_mod  # noqa: E402
 
 from ..helpers import assert_error_ratio, make_qkv  # noqa: E402
 

@@ -13,8 +13,8 @@ import torch
 import qkv
 from qkv import masks, scores
 from qkv.kernels import BACKENDS, TritonBackend
-from qkv.kernels import triton as triton_backend
-from qkv.kernels import triton_host as triton_mod
+from qkv.kernels.triton import backend as triton_backend
+from qkv.kernels.triton import host as triton_mod
 from qkv.masks import EMPTY, FULL
 from qkv.plan import make_plan
 

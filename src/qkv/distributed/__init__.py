@@ -23,9 +23,9 @@ problem; if not, every rank raises the same error instead of hanging. Not import
 
 from ._blocks import tiles_per_rank
 from ._comm import Counters, counters, reset_counters
-from .layout import LAYOUTS, positions, shard, unshard
 from .parallel import SequenceParallel, parallelize
 from .ring import ring_attention
+from .sharding import LAYOUTS, positions, shard, unshard
 from .ulysses import ulysses_attention
 
 __all__ = [

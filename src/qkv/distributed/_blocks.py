@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.steps import RowStats, TileProblem, Tiling, backward_loop, fold_run
+from ..kernels.tiled.steps import RowStats, TileProblem, Tiling, backward_loop, fold_run
 from ..layout import build, layout_for
 from ..masks import Mask
 from ..numerics import row_dot
 from ..plan import make_plan
-from .layout import Segment, segments
+from .sharding import Segment, segments
 
 
 def at_offset(
@@ -141,8 +141,8 @@ def forward(
 ) -> int:
     """Fold one block into `state` (rows `block.q.rows`); return the tiles computed. q, k, v
     are already cut to the block, in the compute dtype. The loop is the tiled kernel's forward
-    (its step `qkv.kernels.tiled.fold_run`) with the running (m, l, acc) read from and written
-    back to `state` instead of starting afresh."""
+    (its step `qkv.kernels.tiled.steps.fold_run`) with the running (m, l, acc) read from and
+    written back to `state` instead of starting afresh."""
     T = TileProblem(_plan(q, k, v, block, mask, scale), q, tiling)
     plan = T.plan
     B, Hkv, G, D, Dv = plan.batch, plan.kv_heads, plan.groups, plan.head_dim, plan.v_dim

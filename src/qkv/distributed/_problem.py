@@ -10,7 +10,7 @@ import torch
 from ..masks import Mask
 from ..plan import make_plan, to_4d
 from . import _comm
-from .layout import LAYOUTS, check_layout, pieces
+from .sharding import LAYOUTS, check_layout, pieces
 
 _SHAPE_HINT = (
     "Every rank must pass its shard of the same problem: shards of N/P tokens each, cut from a "

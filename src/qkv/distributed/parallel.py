@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..masks import Mask
-from .layout import check_layout, positions
 from .ring import ring_attention
+from .sharding import check_layout, positions
 from .ulysses import ulysses_attention
 
 METHODS = ("ring", "ulysses")

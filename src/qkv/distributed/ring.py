@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.tiled import TiledBackend
+from ..kernels.tiled.backend import TiledBackend
 from ..masks import Mask
 from ..numerics import once_differentiable
 from ..plan import from_4d, to_4d

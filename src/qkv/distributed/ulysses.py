@@ -31,7 +31,7 @@ from ..plan import from_4d, to_4d
 from . import _comm
 from ._blocks import at_offset
 from ._problem import validate
-from .layout import segments
+from .sharding import segments
 
 
 def _runs(world: int, n: int, layout: str) -> list[tuple[int, slice, slice]]:

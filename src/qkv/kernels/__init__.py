@@ -16,11 +16,11 @@ import os
 
 from .base import Backend, Result
 from .cpu import crossover, isa
-from .cpu_backend import CpuBackend
+from .cpu.backend import CpuBackend
 from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
-from .tiled import TiledBackend
-from .triton import TritonBackend
+from .tiled.backend import TiledBackend
+from .triton.backend import TritonBackend
 
 
 def dispatch_state() -> tuple:

@@ -61,7 +61,9 @@ def _tiles_skipped_elsewhere(plan: AttentionPlan) -> bool:
     kernel (or, without a compiler, tiled) is; on CUDA only triton, where it can run."""
     if plan.device.type != "cuda":
         return True
-    from .triton import TritonBackend  # imported here: triton's module never imports this one
+    from .triton.backend import (
+        TritonBackend,  # imported here: triton's module never imports this one
+    )
 
     return TritonBackend().why_not(plan, None, None, None) is None  # type: ignore[arg-type]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..inspect.figures import new_figure, save
-from .routing import MODELS
 
 
 def rnn(doc: dict, path: str | Path | None = None):
@@ -149,8 +148,9 @@ def routing(doc: dict, path: str | Path | None = None):
     fig = new_figure(4.2 * len(depths) + 5.5, 4.2)
     axes = fig.subplots(1, len(depths) + 1)
     colors = {"cnn": "C2", "lstm": "C3", "attention": "C0"}
+    models = dict.fromkeys(r["model"] for r in doc["gradient_reach"])  # the run's, in its order
     for ax, layers in zip(axes, depths, strict=False):
-        for kind in MODELS:
+        for kind in models:
             pts = [
                 (r["distance"], r["grad_norm"])
                 for r in doc["gradient_reach"]

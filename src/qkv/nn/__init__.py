@@ -2,7 +2,7 @@
 RoPE and a KV cache, and Transformer blocks and models."""
 
 from .attention import MultiHeadAttention, SelfAttention
-from .cache import KVCache
+from .kv_cache import KVCache
 from .rope import RotaryEmbedding
 from .transformer import FeedForward, Transformer, TransformerBlock
 

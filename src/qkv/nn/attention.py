@@ -7,7 +7,7 @@ from torch import nn
 
 from .. import masks
 from ..functional import attention
-from .cache import KVCache
+from .kv_cache import KVCache
 from .rope import RotaryEmbedding
 
 

@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from .. import masks
 from .attention import MultiHeadAttention
-from .cache import KVCache
+from .kv_cache import KVCache
 from .rope import RotaryEmbedding
 
 

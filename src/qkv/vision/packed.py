@@ -36,8 +36,8 @@ import torch
 from .. import masks
 from ..functional import attention
 from ..kernels import TiledBackend
-from ..kernels.cpu_backend import DTYPES, kernel_status
-from ..kernels.fused import FusedStrips
+from ..kernels.cpu.backend import DTYPES, kernel_status
+from ..kernels.tiled.fused import FusedStrips
 
 LAYOUTS = ("auto", "padded", "varlen")
 PADDED_WASTE = 1.125  # padded when S·L² ≤ this × Σ L_s²

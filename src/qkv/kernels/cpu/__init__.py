@@ -4,17 +4,20 @@
   algorithm, compiled once per instruction set by `isa_*.cpp` over `simd_*.h`);
 - `build.py`: builds them once per machine (at first use or with `qkv build`) and loads them;
 - `isa.py`: which instruction-set path runs (`QKV_CPU_ISA`);
-- `layout.py`: what the kernel reads of `qkv.layout`'s block layout (and the PARTIAL tiles' bits);
-- `memory.py`: the freed large results it keeps for reuse, and how to give them back.
+- `tile_encoding.py`: what the kernel reads of `qkv.layout`'s block layout (and the PARTIAL
+  tiles' bits);
+- `memory.py`: the freed large results it keeps for reuse, and how to give them back;
+- `crossover.py`: where the kernel beats torch SDPA on this machine (`qkv tune`);
+- `backend.py`: `CpuBackend` (`backend="cpu"`), what it accepts and why not;
+- `op.py`: its custom ops (`torch.compile`, `torch.func`) around `torch.ops.qkv_cpu`.
 
-The backend that uses it is `qkv.kernels.cpu_backend.CpuBackend` (`backend="cpu"`). Importing
-this package builds and loads nothing.
+Importing this package builds and loads nothing.
 """
 
 from .build import KernelUnavailable, build_dir, load, loaded, status
 from .isa import ISAS
-from .layout import CpuLayout, kernel_layout
 from .memory import cached_result_bytes, release_cached_results
+from .tile_encoding import CpuLayout, kernel_layout
 
 __all__ = [
     "ISAS",

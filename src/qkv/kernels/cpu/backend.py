@@ -2,7 +2,7 @@
 
 The same algorithm as `tiled` (which stays the readable reference of it), compiled: the forward
 walks the kept `block_q × 64` tiles of the block layout (`qkv.layout`, re-encoded with the
-PARTIAL tiles' bits by `cpu/layout.py`) row by row and saves
+PARTIAL tiles' bits by `cpu/tile_encoding.py`) row by row and saves
 each row's max m and denominator l; the backward walks them column by column and recomputes the
 probabilities from (m, l). EMPTY tiles are never computed, FULL tiles run with no mask
 arithmetic, PARTIAL tiles are masked by their bits. Grouped kv heads are read once per group;
@@ -36,10 +36,13 @@ import os
 
 import torch
 
-from ..plan import AttentionPlan
-from . import cpu, sdpa
-from .base import Result
-from .cpu import crossover
+from ...plan import AttentionPlan
+from .. import sdpa
+from ..base import Result
+from . import crossover
+from .build import KernelUnavailable, load
+from .isa import ENV as ISA_ENV
+from .isa import choose as choose_isa
 
 # fp16/bf16/fp32 inputs; everything accumulates in float32/float64 inside
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,15 +92,15 @@ def kernel_status() -> tuple[str | None, str | None]:
     instruction-set path; `(None, reason)` when it cannot run. torch.compile calls it while
     tracing and keeps the answer as a constant of the graph (`QKV_CPU_ISA` is read then).
     A path that runs is remembered per value of `QKV_CPU_ISA` (asked on every call)."""
-    wanted = os.environ.get(cpu.isa.ENV, "")
+    wanted = os.environ.get(ISA_ENV, "")
     found = _RUNS.get(wanted)
     if found is not None:
         return found
     try:
-        ops = cpu.load()
-    except cpu.KernelUnavailable as err:
+        ops = load()
+    except KernelUnavailable as err:
         return None, f"the compiled CPU kernel is unavailable: {err} (see `qkv build`)"
-    status = cpu.isa.choose(ops)
+    status = choose_isa(ops)
     if status[0] is not None:
         _RUNS[wanted] = status
     return status
@@ -173,9 +176,9 @@ class CpuBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        from . import cpu_op
-        from .cpu.layout import BLOCK_K
-        from .tiled_op import handle
+        from ..tiled.op import handle
+        from . import op as cpu_op
+        from .tile_encoding import BLOCK_K
 
         isa, why = kernel_status()
         if why is None:

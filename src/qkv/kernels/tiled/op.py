@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..numerics import once_differentiable
-from ..plan import AttentionPlan
+from ...numerics import once_differentiable
+from ...plan import AttentionPlan
 from . import fused as fused_mod
 from .fused import FusedStrips
 from .steps import RowStats, TileProblem, Tiling, backward_loop, forward_loop

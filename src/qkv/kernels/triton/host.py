@@ -2,7 +2,7 @@
 tile lists and mask bank they walk (`build_layout`, from the plan's `qkv.layout.BlockLayout`),
 launch configurations, the launches (`Call`) and the `autograd.Function` that ties forward and
 backward together. Imported on the backend's first use, so `import qkv` stays light; the
-kernels themselves (`triton_kernels.py`) import Triton.
+kernels themselves (`kernels.py`) import Triton.
 
 Without the caller's `finite_inputs` promise, NaN/±inf in masked-out k/v slots is kept out of
 every row here and in the kernels, never by reading values on the host: the forward launch sets
@@ -19,19 +19,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import CACHE
-from ..dropout import keep_scale
-from ..layout import BlockLayout, allowed, layout_for
-from ..numerics import once_differentiable, row_dot, two_float
-from ..plan import AttentionPlan
-from .triton import interpreting
+from ...cache import CACHE
+from ...dropout import keep_scale
+from ...layout import BlockLayout, allowed, layout_for
+from ...numerics import once_differentiable, row_dot, two_float
+from ...plan import AttentionPlan
+from .runtime import interpreting
 
 BANK_CHUNK = 2048  # partial tiles evaluated per call of the mask rule (bounds host memory)
 
 
 def _kernels():
     """The kernel module, imported on first use."""
-    from . import triton_kernels
+    from . import kernels as triton_kernels
 
     return triton_kernels
 

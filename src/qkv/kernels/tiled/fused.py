@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import CACHE
-from ..layout import allowed as layout_allowed
-from ..layout import layout_for
-from ..plan import AttentionPlan
+from ...cache import CACHE
+from ...layout import allowed as layout_allowed
+from ...layout import layout_for
+from ...plan import AttentionPlan
 
 _OPS = torch.ops.aten
 # torch's op loses a NaN of q when it sees fewer than 16 keys and no mask: narrower windows

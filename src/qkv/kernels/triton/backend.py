@@ -1,6 +1,6 @@
 """`triton` backend: FlashAttention-2 forward and backward written in Triton, block-sparse aware.
 
-The kernels live in `triton_kernels.py` (imported lazily: `import qkv` never imports Triton);
+The kernels live in `kernels.py` (imported lazily: `import qkv` never imports Triton);
 this file is the host side: which requests the kernels run exactly (`why_not`), the tile lists
 they walk (built from the causal flag, a structured `qkv.masks.Mask` or a bool mask), the score
 modifiers they understand, and the `autograd.Function` that ties forward and backward together.
@@ -33,43 +33,25 @@ What the kernels do, in one place:
 - every offset in int64.
 
 On CPU tensors it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, set before
-`qkv.kernels.triton_kernels` is first imported), which is how the tests check it without a GPU;
+`qkv.kernels.triton.kernels` is first imported), which is how the tests check it without a GPU;
 `auto` never picks it there.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import torch
 
-from ..plan import AttentionPlan
-from .base import Result
+from ...plan import AttentionPlan
+from ..base import Result
+from .runtime import interpreting, triton_available
 
 INSTALL_HINT = "pip install 'qkv[triton]' (or pip install triton)"
 MAX_HEAD_DIM = 256
 
 
-def triton_available() -> bool:
-    """True when `import triton` would succeed (checked without importing it)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    """True when the kernels run in Triton's interpreter: once `triton_kernels` is imported,
-    whether its kernels were decorated in interpreter mode (`triton.jit` reads the variable at
-    decoration time); before that, whether `TRITON_INTERPRET=1` is set now."""
-    kernels = sys.modules.get(f"{__package__}.triton_kernels")
-    if kernels is not None:
-        return kernels.INTERPRETED
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _host():
-    """The host side (`triton_host.py`), imported on first use."""
-    from . import triton_host
+    """The host side (`host.py`), imported on first use."""
+    from . import host as triton_host
 
     return triton_host
 
@@ -130,7 +112,7 @@ class TritonBackend:
         return f"TritonBackend({', '.join(parts)})"
 
     def config(self, plan: AttentionPlan):
-        """The launch configuration (`triton_host.Config`) for a plan: defaults by head dim,
+        """The launch configuration (`host.Config`) for a plan: defaults by head dim,
         then the overrides."""
         host = _host()
         base = host.default_config(max(host.pad_dim(plan.head_dim), host.pad_dim(plan.v_dim)))

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ..numerics import once_differentiable
-from .cpu import load
-from .cpu.layout import kernel_layout
-from .tiled_op import lookup
+from ...numerics import once_differentiable
+from ..tiled.op import lookup
+from . import load
+from .tile_encoding import kernel_layout
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import once_differentiable
-from ..plan import AttentionPlan
-from .base import Result
+from ...numerics import once_differentiable
+from ...plan import AttentionPlan
+from ..base import Result
 from .fused import FusedStrips
 from .steps import (
     BLOCK_K,
@@ -122,7 +122,9 @@ class TiledBackend:
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> str | None:
         """None when `forward` takes the fused-strips path, else why it runs the loop."""
-        from . import tiled_op  # registers the custom ops at first use: import qkv stays light
+        from . import (
+            op as tiled_op,  # registers the custom ops at first use: import qkv stays light
+        )
 
         return tiled_op.fused_reason(self.fused, plan, q, k, v)
 
@@ -139,7 +141,9 @@ class TiledBackend:
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
         if plan.score_mod is None:  # the custom op: torch.compile traces through it
-            from . import tiled_op  # registered at first use (also when that is under tracing)
+            from . import (
+                op as tiled_op,  # registered at first use (also when that is under tracing)
+            )
 
             out, lse = tiled_op.attention(plan, self.tiling, self.fused, q, k, v)
             return out, lse, None

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dropout import keep_mask, keep_scale
-from ..layout import BlockLayout, Strip, allowed, layout_for
-from ..numerics import guarded_pv, two_float
-from ..plan import AttentionPlan
+from ...dropout import keep_mask, keep_scale
+from ...layout import BlockLayout, Strip, allowed, layout_for
+from ...numerics import guarded_pv, two_float
+from ...plan import AttentionPlan
 
 LOG2E = 1.0 / math.log(2.0)
 

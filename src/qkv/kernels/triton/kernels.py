@@ -1,6 +1,6 @@
 """The Triton kernels of the `triton` backend (FlashAttention-2, block-sparse aware).
 
-Imported only by `qkv.kernels.triton` and only when `triton` is importable, so `import qkv`
+Imported only by `qkv.kernels.triton.backend` and only when `triton` is importable, so `import qkv`
 never pulls Triton in. Whether the kernels run compiled (CUDA) or in Triton's interpreter (CPU
 tensors) is decided by `TRITON_INTERPRET=1` *when this module is imported*: `triton.jit` reads it
 at decoration time.
@@ -45,7 +45,7 @@ NaN/±inf in that entry, as the reference has it (`qkv.numerics.weighted_values`
 without a bias or dropout hold no structural zero: a kept weight that underflows to 0 there
 still meets its value, and a ±inf added to acc meets later rescales as it is.) The backward
 kernels need no guard: the host hands them k and v with NaN/±inf zeroed and dO zeroed where
-the output is non-finite (`triton_host.Call.backward`).
+the output is non-finite (`host.Call.backward`).
 
 Every offset is computed in int64 (program ids and tile indices are cast before they multiply a
 stride), so B·H·N·D beyond 2³¹ does not overflow.
