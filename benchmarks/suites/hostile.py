@@ -7,8 +7,8 @@ caches and builds, forks.
   fails at once; the concurrent and killed builds compile for real (about 40 s each on 2 cores).
 - **outcome** is what the process did (its exit status, the backend `auto` picked and why `cpu`
   was passed over, the largest error against the formula); **held** says whether that is what
-  qkv promises for the case (README, *Reliability*): a result within the error rule or a clear
-  error, never a crash, a hang or a silent wrong answer.
+  qkv promises for the case (docs/backends.md, *Reliability*): a result within the error rule or a
+  clear error, never a crash, a hang or a silent wrong answer.
 - Cache: a server holding one `masks.sliding_window(16)` that sees a new length per request
   (B=1, H=1, D=8, `backend="cpu"`). A **new-length** call is the first at a length, a
   **repeated** one the second; each the median over 16 lengths (500 … 515), once on an empty

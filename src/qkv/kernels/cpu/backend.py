@@ -48,7 +48,7 @@ from .isa import choose as choose_isa
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# Query rows per tile, measured by pairs of calls (docs/cpu.md, the machine table's last column):
+# Query rows per tile, measured by pairs of calls:
 # on the Zen 3 AMD EPYC, 2 cores, N = 4096, D = 64, 256 rows against 128 took 0.92–0.97 of the
 # time in the dense and causal forward and 0.94 in the dense forward + backward, but 1.07 in the
 # causal backward; a mask's 64 rows against 128 took 0.93 in the sliding window's fwd + bwd.
