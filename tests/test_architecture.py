@@ -144,6 +144,27 @@ def test_the_circle_check_finds_a_circle():
     assert circles(graph) == [[("a",), ("b",), ("c",)]]
 
 
+# Process-wide memos that are not derived tensor structures, each with its reason.
+MEMOS = {
+    ("kernels", "sdpa"): "_fused_16bit_breaks: a fact about this CPU and torch build",
+    ("inspect", "figures"): "font lookups: facts about the installed fonts",
+    ("inspect", "attend"): "the loaded models: one per folder and process",
+}
+
+
+def test_every_cache_of_derived_structures_is_qkv_cache():
+    """`functools.cache`/`lru_cache` would hide tensors from `qkv.cache_info()` and survive
+    `qkv.clear_caches()`; such structures go through `qkv.cache.CACHE`."""
+    found = []
+    for path, parts in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("cache", "lru_cache"):
+                if isinstance(node.value, ast.Name) and node.value.id == "functools":
+                    if parts not in MEMOS:
+                        found.append(f"{'/'.join(parts)}:{node.lineno}")
+    assert not found, found
+
+
 def test_nn_never_imports_distributed():
     found = [
         f"{'/'.join(parts)}:{node.lineno}"

@@ -12,6 +12,10 @@ expensive to build and cheap to reuse, as FlexAttention users keep a `BlockMask`
 - **Clearable**: `qkv.clear_caches()`; `qkv.cache_info()` says what it holds, its hits, misses
   and evictions. Lookup, insertion and eviction are O(1) amortised at the bound, and an owner's
   death costs O(its own entries).
+
+Owners are numbered by `handle`, qkv's one registry of weak object → number: the same number
+names a `Mask` or a held `BlockLayout` in the cache's keys and in the custom ops' arguments
+(`lookup` turns it back into the object while it lives).
 """
 
 from __future__ import annotations
@@ -55,6 +59,43 @@ def nbytes(*objs: Any) -> int:
     return total
 
 
+_handles_lock = threading.Lock()
+_numbers = itertools.count(1)
+_handle_of: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_object_of: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def handle(obj: object) -> int:
+    """A number for `obj` (0 for None), the same for as long as `obj` lives, never reused.
+    torch.compile calls it while tracing and keeps the number as a constant of the graph."""
+    if obj is None:
+        return 0
+    with _handles_lock:
+        h = _handle_of.get(obj)
+        if h is None:
+            h = _handle_of[obj] = next(_numbers)
+            _object_of[h] = obj
+        return h
+
+
+# What `torch.compiler.assume_constant_result(handle)` does, without importing torch._dynamo
+# (which doubles the time of `import qkv`); tests/test_compile.py fails if that ever changes.
+handle._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def lookup(h: int) -> Any:
+    """The live object numbered `h` by `handle` (None for 0)."""
+    if h == 0:
+        return None
+    obj = _object_of.get(h)
+    if obj is None:
+        raise RuntimeError(
+            f"qkv: object handle {h} is gone (its Mask or BlockLayout was garbage collected "
+            f"while a compiled graph still used it); keep it alive"
+        )
+    return obj
+
+
 @dataclass(frozen=True)
 class CacheInfo:
     entries: int  # values held
@@ -74,23 +115,22 @@ class Cache:
         self._lock = threading.RLock()
         self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
-        self._tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._counter = itertools.count(1)
+        self._live: set[int] = set()  # owners' handles whose death this cache will hear of
         # owner token → its keys, so that an owner's death costs O(its own entries)
         self._owned: dict[int, set] = {}
         self.hits = self.misses = self.evictions = 0
 
     def _token(self, owner: object) -> int:
-        """A number for `owner` that is never reused, and drops its entries when it dies."""
-        token = self._tokens.get(owner)
-        if token is None:
-            token = next(self._counter)
-            self._tokens[owner] = token
+        """`owner`'s handle; its entries are dropped when it dies. Lock held."""
+        token = handle(owner)
+        if token not in self._live:
+            self._live.add(token)
             weakref.finalize(owner, self._forget, token)
         return token
 
     def _forget(self, token: int) -> None:
         with self._lock:
+            self._live.discard(token)
             for key in self._owned.pop(token, ()):
                 self._bytes -= self._entries.pop(key)[1]
 
@@ -155,7 +195,7 @@ class Cache:
 
     def _store(self, full_key: tuple, value: Any, n: int, owner: object | None) -> None:
         """Keep `value` (n bytes) under `full_key` and evict down to the budget; lock held."""
-        if n > self.max_bytes or (owner is not None and owner not in self._tokens):
+        if n > self.max_bytes or (owner is not None and full_key[0] not in self._live):
             return
         self._entries[full_key] = (value, n)
         self._bytes += n

@@ -26,7 +26,6 @@ segment alone (the tests compare forward and gradients with the per-segment refe
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks
+from ..cache import CACHE
 from ..functional import attention
 from ..kernels import TiledBackend
 from ..kernels.cpu.backend import DTYPES, kernel_status
@@ -168,12 +168,15 @@ def _compiled_kernel_takes(q: torch.Tensor) -> bool:
     return kernel_status()[1] is None
 
 
-@functools.lru_cache(maxsize=8)
 def _varlen_mask(cu: tuple[int, ...]) -> masks.Mask:
-    """One Mask object per distinct `cu_seqlens`, so that the tiled kernel's schedule cache (kept
-    per Mask) serves every block of an encoder that reuses the same segments."""
-    t = torch.tensor(cu, dtype=torch.long)
-    return masks.varlen(t, t)
+    """One Mask object per distinct `cu_seqlens` (kept in `qkv.cache`), so that the layouts and
+    schedules cached per Mask serve every block of an encoder that reuses the same segments."""
+
+    def build() -> masks.Mask:
+        t = torch.tensor(cu, dtype=torch.long)
+        return masks.varlen(t, t)
+
+    return CACHE.get(("vision.varlen_mask", cu), build)
 
 
 def _padded(q, k, v, plan: PackedLayout, scale, backend) -> torch.Tensor:

@@ -18,11 +18,11 @@ and the normalisation is skipped.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
+from ..cache import CACHE
 from ..layout import EMPTY, layout_for
 from ..masks import Mask
 from ..numerics import causal_allowed
@@ -169,12 +169,14 @@ def _band(
     return s
 
 
-@functools.lru_cache(maxsize=4)
 def _upper(n: int, w: int, diagonal: int, device: str) -> torch.Tensor:
     """Bool `(n, w)`: True where col − row ≥ diagonal (the keys a causal row may not see).
-    Bands of one call mostly share a shape, so the last few are kept (each ≤ a band's size
-    in bytes / 4)."""
-    return torch.ones(n, w, dtype=torch.bool, device=device).triu_(diagonal)
+    Bands of one call mostly share a shape, so they are kept in `qkv.cache` (each ≤ a band's
+    size in bytes / 4)."""
+    return CACHE.get(
+        ("vision.upper", n, w, diagonal, device),
+        lambda: torch.ones(n, w, dtype=torch.bool, device=device).triu_(diagonal),
+    )
 
 
 def _allowed(

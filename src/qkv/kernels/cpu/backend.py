@@ -110,7 +110,7 @@ _RUNS: dict[str, tuple[str | None, str | None]] = {}  # QKV_CPU_ISA's value -> (
 
 
 # What `torch.compiler.assume_constant_result(kernel_status)` does, without importing
-# torch._dynamo at `import qkv` (as `tiled_op.handle` does).
+# torch._dynamo at `import qkv` (as `qkv.cache.handle` does).
 kernel_status._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
@@ -176,7 +176,7 @@ class CpuBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        from ..tiled.op import handle
+        from ...cache import handle
         from . import op as cpu_op
         from .tile_encoding import BLOCK_K
 

@@ -7,7 +7,7 @@ the kernel's block layout as tensors. Building that layout is Python (`qkv.layou
 cache), so it happens inside these ops, never in a traced graph: `torch.compile` sees each op
 as one opaque node with known output shapes and traces a model through the kernel without a
 graph break. Everything an op needs travels as tensors and numbers; the structured `Mask` and a
-held `BlockLayout` as the tiled ops' integer handles (`tiled_op.handle`), so a compiled graph
+held `BlockLayout` as the tiled ops' integer handles (`qkv.cache.handle`), so a compiled graph
 specialises on them. The dropout seed is a tensor read inside the op (no host read in the
 graph).
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from ...cache import lookup
 from ...numerics import once_differentiable
-from ..tiled.op import lookup
 from . import load
 from .tile_encoding import kernel_layout
 

@@ -6,60 +6,21 @@ them together for autograd and torch.func.grad.
 through qkv attention without a graph break, and never looks at the Python loop inside (whose
 tile schedule is plain Python ints). Everything an op needs travels as tensors and numbers:
 the backend's tiling and fused-strips settings as lists of numbers, the structured `Mask` and
-a held `BlockLayout` as small integer handles, so a compiled graph specialises on them (a new
-Mask object means a new graph, as a new `BlockMask` does for FlexAttention).
+a held `BlockLayout` as small integer handles (`qkv.cache.handle`), so a compiled graph
+specialises on them (a new Mask object means a new graph, as a new `BlockMask` does for
+FlexAttention).
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
-from typing import Any
-
 import torch
 
+from ...cache import handle, lookup
 from ...numerics import once_differentiable
 from ...plan import AttentionPlan
 from . import fused as fused_mod
 from .fused import FusedStrips
 from .steps import RowStats, TileProblem, Tiling, backward_loop, forward_loop
-
-# -- handles: small ints that name a Python object while it is alive ----------------------------
-_lock = threading.Lock()
-_numbers = itertools.count(1)
-_handle_of: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-_object_of: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-
-
-def handle(obj: object) -> int:
-    """A number for `obj` (0 for None), the same for as long as `obj` lives, never reused.
-    torch.compile calls it while tracing and keeps the number as a constant of the graph."""
-    if obj is None:
-        return 0
-    with _lock:
-        h = _handle_of.get(obj)
-        if h is None:
-            h = _handle_of[obj] = next(_numbers)
-            _object_of[h] = obj
-        return h
-
-
-# What `torch.compiler.assume_constant_result(handle)` does, without importing torch._dynamo
-# (which doubles the time of `import qkv`); tests/test_compile.py fails if that ever changes.
-handle._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def lookup(h: int) -> Any:
-    if h == 0:
-        return None
-    obj = _object_of.get(h)
-    if obj is None:
-        raise RuntimeError(
-            f"qkv: object handle {h} is gone (its Mask or BlockLayout was garbage collected "
-            f"while a compiled graph still used it); keep it alive"
-        )
-    return obj
 
 
 def _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held):
