@@ -158,10 +158,9 @@ def test_every_cache_of_derived_structures_is_qkv_cache():
     found = []
     for path, parts in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr in ("cache", "lru_cache"):
-                if isinstance(node.value, ast.Name) and node.value.id == "functools":
-                    if parts not in MEMOS:
-                        found.append(f"{'/'.join(parts)}:{node.lineno}")
+            memo = isinstance(node, ast.Attribute) and node.attr in ("cache", "lru_cache")
+            if memo and getattr(node.value, "id", None) == "functools" and parts not in MEMOS:
+                found.append(f"{'/'.join(parts)}:{node.lineno}")
     assert not found, found
 
 
@@ -218,6 +217,60 @@ def test_tile_kinds_are_worked_out_in_one_module():
                 if fname in {"classify", "tile_bounds", "key_ranges", "dense_kinds"}:
                     callers.append(f"{'/'.join(parts)}:{node.lineno} calls {fname}")
     assert not callers, callers
+
+
+ORDER = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+
+
+def _mentions(node: ast.AST, word: str, exact: bool = False) -> bool:
+    for n in ast.walk(node):
+        name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else ""
+        if (name == word) if exact else (word in name):
+            return True
+    return False
+
+
+def causal_comparisons(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where code writes the causal rule itself: a triangle (`tril`/`triu`), an order
+    comparison with `causal_offset`, or one inside an `if` on a causal flag."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in ("tril", "triu", "tril_", "triu_"):
+                found.append((node.lineno, f"calls {name}"))
+        ordered = isinstance(node, ast.Compare) and any(isinstance(o, ORDER) for o in node.ops)
+        if ordered and _mentions(node, "causal_offset", exact=True):
+            found.append((node.lineno, "compares with causal_offset"))
+        if isinstance(node, ast.If) and _mentions(node.test, "causal"):
+            for sub in node.body:
+                for n in ast.walk(sub):
+                    if isinstance(n, ast.Compare) and any(isinstance(o, ORDER) for o in n.ops):
+                        found.append((n.lineno, "compares under `if causal`"))
+    return found
+
+
+def test_only_masks_and_layout_write_the_causal_rule():
+    found = [
+        f"{'/'.join(parts)}:{line} {what}"
+        for path, parts in _modules()
+        if parts not in {("masks",), ("layout",)}
+        for line, what in causal_comparisons(ast.parse(path.read_text()))
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_causal_check_sees_the_rule_written_out():
+    seen = causal_comparisons(
+        ast.parse(
+            "if plan.causal:\n    skip = k0 >= q1\n"
+            "a = cols <= rows + plan.causal_offset\nb = torch.ones(3, 3).triu_(1)\n"
+        )
+    )
+    assert [w for _, w in seen] == [
+        "compares under `if causal`", "compares with causal_offset", "calls triu_"
+    ]  # fmt: skip
 
 
 def test_import_qkv_is_light_and_submodules_are_one_attribute_away():

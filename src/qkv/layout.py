@@ -66,8 +66,8 @@ def classify(maybe_any: torch.Tensor, surely_all: torch.Tensor) -> torch.Tensor:
 
 
 def allowed(
-    b: torch.Tensor,
-    h: torch.Tensor,
+    b: torch.Tensor | int,
+    h: torch.Tensor | int,
     rows: torch.Tensor,
     cols: torch.Tensor,
     *,
@@ -79,10 +79,11 @@ def allowed(
 ) -> torch.Tensor | None:
     """Which pairs (query row, key) may attend: the causal rule (bottom-right), a Mask's rule
     and a bool mask `(B|1, H|1, Nq|1, Nk|1)`, combined by "and". All index arguments are
-    broadcastable int64 tensors; None when nothing restricts the pairs."""
+    broadcastable int64 tensors (`b`, `h` may be 0 when neither a rule nor a mask is given);
+    None when nothing restricts the pairs."""
     ok = None
     if causal:
-        ok = cols <= rows + (kv_len - q_len)
+        ok = cols <= rows + (kv_len - q_len)  # bottom-right: row i sees keys j ≤ i + Nk − Nq
     if rule is not None:
         r = rule.evaluate(b, h, rows, cols, q_len, kv_len)
         ok = r if ok is None else ok & r
@@ -96,6 +97,54 @@ def allowed(
         m = mask[idx]
         ok = m if ok is None else ok & m
     return ok
+
+
+def dense_allowed(
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool = False,
+    rule: Any = None,
+    mask: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor | None:
+    """`allowed` over the whole problem: bool `(Bm, Hm, Nq, Nk)` (Bm, Hm: what the rule and the
+    mask depend on, else 1), None when nothing restricts the pairs."""
+    if not causal and rule is None and mask is None:
+        return None
+    nb = max(rule.batch or 1 if rule is not None else 1, mask.shape[0] if mask is not None else 1)
+    nh = max(rule.heads or 1 if rule is not None else 1, mask.shape[1] if mask is not None else 1)
+    b = torch.arange(nb, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(nh, device=device).view(1, -1, 1, 1)
+    rows = torch.arange(q_len, device=device).view(1, 1, -1, 1)
+    cols = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+    ok = allowed(b, h, rows, cols, q_len=q_len, kv_len=kv_len, causal=causal, rule=rule, mask=mask)
+    return ok.expand(nb, nh, q_len, kv_len)
+
+
+def causal_bounds(ql, qh, kl, kh) -> tuple:
+    """(maybe_any, surely_all) of the causal rule over the rectangles of query positions
+    [ql, qh] × keys [kl, kh] (inclusive, in key coordinates: a query row plus Nk − Nq): some key
+    is visible when kl ≤ qh, every key when kh ≤ ql. Ints or tensors."""
+    return kl <= qh, kh <= ql
+
+
+def causal_hidden(
+    r0: int, r1: int, c0: int, c1: int, q_len: int, kv_len: int, device=None
+) -> tuple[int, torch.Tensor | None, bool]:
+    """What the causal rule hides from query rows r0:r1 within keys c0:c1: `(d0, hidden,
+    blind)`: keys before d0 are visible to every row, `hidden` (bool `(r1 − r0, c1 − d0)`, or
+    None when nothing is hidden) is True where a key from d0 on is hidden, and `blind` says
+    that the first row sees no key at all (Nq > Nk)."""
+    first_hidden = r0 + (kv_len - q_len) + 1  # the first key row r0 may not see
+    blind = first_hidden <= 0
+    d0 = max(c0, first_hidden)
+    if d0 >= c1:
+        return c1, None, blind
+    rows = torch.arange(r0, r1, device=device).unsqueeze(1)
+    cols = torch.arange(d0, c1, device=device)
+    ok = allowed(0, 0, rows, cols, q_len=q_len, kv_len=kv_len, causal=True)
+    return d0, ~ok, blind
 
 
 # --------------------------------------------------------------------------------- the layout
@@ -336,8 +385,9 @@ def _bound_tiles(ql, qh, kl, kh, kv_len: int, causal: bool, rule: Any):
     maybe = torch.ones(ql.numel(), dtype=torch.bool)
     surely = maybe.clone()
     if causal:
-        maybe &= kl <= qh
-        surely &= kh <= ql
+        some, every = causal_bounds(ql, qh, kl, kh)
+        maybe &= some
+        surely &= every
     if rule is not None and rule.has_bounds and ql.numel():
         shape = (rule.batch or 1, rule.heads or 1, ql.numel())
         bi = torch.arange(shape[0]).view(-1, 1, 1)

@@ -1,24 +1,10 @@
-"""Small numerical pieces every backend shares: the causal rule, a NaN-safe `P @ V`, and the
-float64 row terms of the backward (a row dot product, two-float splits)."""
+"""Small numerical pieces every backend shares: a NaN-safe `P @ V` and the float64 row terms of
+the backward (a row dot product, two-float splits). Which pairs may attend (the causal rule
+included) is `qkv.layout.allowed`'s."""
 
 from __future__ import annotations
 
 import torch
-
-
-def causal_allowed(rows: torch.Tensor, cols: torch.Tensor, offset: int) -> torch.Tensor:
-    """Bottom-right aligned causal rule: query i may see key j when j ≤ i + offset.
-
-    `offset = Nk − Nq`. With Nq = 3, Nk = 5 (offset 2), x = may attend::
-
-        keys →   0 1 2 3 4
-        query 0  x x x . .
-        query 1  x x x x .
-        query 2  x x x x x
-
-    rows: `(Nq, 1)` int64, cols: `(Nk,)` int64; returns bool `(Nq, Nk)`.
-    """
-    return cols <= rows + offset
 
 
 def all_finite(t: torch.Tensor) -> bool:

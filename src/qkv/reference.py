@@ -17,7 +17,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from .dropout import keep_mask, keep_scale
-from .numerics import all_finite, causal_allowed, weighted_values
+from .layout import dense_allowed
+from .numerics import all_finite, weighted_values
 from .plan import AttentionPlan, from_4d, make_plan, to_4d
 from .scores import ScoreMod
 
@@ -91,14 +92,9 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         h = torch.arange(H, device=q.device).view(1, H, 1, 1)
         pos = torch.arange(Nq, device=q.device).view(Nq, 1) + plan.causal_offset
         S_scaled = plan.score_mod(S_scaled, b, h, pos, torch.arange(Nk, device=q.device))
-    allowed = None
-    if plan.causal:
-        rows = torch.arange(Nq, device=q.device).unsqueeze(1)
-        cols = torch.arange(Nk, device=q.device)
-        allowed = causal_allowed(rows, cols, plan.causal_offset)
-    for m in (plan.mask, plan.mask_rule.dense4(Nq, Nk, q.device) if plan.mask_rule else None):
-        if m is not None:
-            allowed = m if allowed is None else allowed & m
+    allowed = dense_allowed(
+        Nq, Nk, causal=plan.causal, rule=plan.mask_rule, mask=plan.mask, device=q.device
+    )
     if allowed is not None:
         S_scaled = torch.where(allowed, S_scaled, -torch.inf)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.tiled.steps import RowStats, TileProblem, Tiling, backward_loop, fold_run
-from ..layout import build, layout_for
+from ..layout import build, causal_bounds, layout_for
 from ..masks import Mask
 from ..numerics import row_dot
 from ..plan import make_plan
@@ -74,10 +74,11 @@ def schedule(
         for ks in k_segs:
             diagonal = False
             if causal:
-                if ks.start >= qs.stop:  # every key after every query
+                some, every = causal_bounds(qs.start, qs.stop - 1, ks.start, ks.stop - 1)
+                if not some:  # every key after every query
                     skipped += 1
                     continue
-                diagonal = ks.stop - 1 > qs.start  # some key after some query
+                diagonal = not every  # some key after some query
                 if diagonal and (ks.start, ks.length) != (qs.start, qs.length):
                     raise AssertionError("runs of equal, aligned chunks overlap only as equals")
             if mask is not None and mask.has_bounds:

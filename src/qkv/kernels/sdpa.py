@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..numerics import causal_allowed
+from ..layout import dense_allowed
 from ..plan import AttentionPlan
 from .base import Result
 
@@ -121,9 +121,7 @@ class SdpaBackend:
             if plan.q_len == plan.kv_len and attn_mask is None:
                 is_causal = True  # top-left equals bottom-right when Nq == Nk
             else:  # Nq < Nk (asked for by name) or a mask to combine with: one dense mask
-                rows = torch.arange(plan.q_len, device=q.device).unsqueeze(1)
-                cols = torch.arange(plan.kv_len, device=q.device)
-                allowed = causal_allowed(rows, cols, plan.causal_offset)
+                allowed = dense_allowed(plan.q_len, plan.kv_len, causal=True, device=q.device)
                 if attn_mask is None:
                     attn_mask = allowed
                 elif attn_mask.dtype == torch.bool:

@@ -22,10 +22,8 @@ import math
 
 import torch
 
-from ..cache import CACHE
-from ..layout import EMPTY, layout_for
+from ..layout import EMPTY, allowed, causal_hidden, layout_for
 from ..masks import Mask
-from ..numerics import causal_allowed
 from ..plan import AttentionPlan, from_4d, make_plan, to_4d
 
 BAND_BYTES = 32 * 2**20  # scores of one band of query rows (all heads of a batch element)
@@ -151,16 +149,13 @@ def _band(
     empty_rows = plan.bias is not None or plan.mask is not None or plan.mask_rule is not None
     if plan.causal and not empty_rows:
         # Only keys past the band's first row can be hidden: mask that triangle, not the band.
-        d0 = max(c0, r0 + plan.causal_offset + 1)
-        if d0 < c1:
-            # row r hides keys past r + offset: within the slice, col − row ≥ r0 + offset + 1 − d0
-            hidden = _upper(n, c1 - d0, r0 + plan.causal_offset + 1 - d0, str(s.device))
+        d0, hidden, empty_rows = causal_hidden(r0, r1, c0, c1, plan.q_len, plan.kv_len, s.device)
+        if hidden is not None:
             s[..., d0 - c0 :].masked_fill_(hidden, -math.inf)
-        empty_rows = r0 + plan.causal_offset < 0  # Nq > Nk: the first rows see no key
     else:
-        allowed = _allowed(plan, b, r0, r1, c0, c1, s.device)
-        if allowed is not None:
-            s.masked_fill_(~allowed, -math.inf)
+        ok = _allowed(plan, b, r0, r1, c0, c1, s.device)
+        if ok is not None:
+            s.masked_fill_(~ok, -math.inf)
     if lse4 is not None:
         return s.sub_(lse4[b, :, r0:r1, None]).exp_()
     torch.softmax(s, dim=-1, out=s)  # in place: one band of memory
@@ -169,35 +164,23 @@ def _band(
     return s
 
 
-def _upper(n: int, w: int, diagonal: int, device: str) -> torch.Tensor:
-    """Bool `(n, w)`: True where col − row ≥ diagonal (the keys a causal row may not see).
-    Bands of one call mostly share a shape, so they are kept in `qkv.cache` (each ≤ a band's
-    size in bytes / 4)."""
-    return CACHE.get(
-        ("vision.upper", n, w, diagonal, device),
-        lambda: torch.ones(n, w, dtype=torch.bool, device=device).triu_(diagonal),
-    )
-
-
 def _allowed(
     plan: AttentionPlan, b: int, r0: int, r1: int, c0: int, c1: int, device: torch.device
 ) -> torch.Tensor | None:
     """Which pairs of rows r0:r1 and keys c0:c1 may attend, broadcastable to `(H, n, w)`."""
     rows = torch.arange(r0, r1, device=device).unsqueeze(1)
     cols = torch.arange(c0, c1, device=device)
-    allowed = None
-    if plan.causal:
-        allowed = causal_allowed(rows, cols, plan.causal_offset)
+    ok = allowed(0, 0, rows, cols, q_len=plan.q_len, kv_len=plan.kv_len, causal=plan.causal)
     if plan.mask is not None:
         m = _cut(plan.mask, b, r0, r1, c0, c1)
-        allowed = m if allowed is None else allowed & m
+        ok = m if ok is None else ok & m
     if plan.mask_rule is not None:
         rule = plan.mask_rule
         bi = torch.tensor([b if rule.batch else 0], device=device).view(1, 1, 1)
         hi = torch.arange(plan.heads if rule.heads else 1, device=device).view(-1, 1, 1)
         m = rule.evaluate(bi, hi, rows, cols, plan.q_len, plan.kv_len)
-        allowed = m if allowed is None else allowed & m
-    return allowed
+        ok = m if ok is None else ok & m
+    return ok
 
 
 def _cut(t: torch.Tensor, b: int, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
