@@ -156,6 +156,6 @@ def test_plain_causal_goes_to_triton_without_the_finite_promise(on_a_gpu, dtype,
 def test_masked_requests_without_the_promise_reach_triton(on_a_gpu):
     for name in ("bool-mask", "key-padding-bool", "float-bias", "sliding-window", "causal-Nq<Nk"):
         plan, (q, k, v) = _cuda_plan(name, torch.bfloat16, False, True)
-        assert plan.has_masking and not plan.finite_inputs
+        assert plan.pairs.restricted and not plan.finite_inputs
         assert BACKENDS["triton"].why_not(plan, q, k, v) is None, name
         assert choose(plan, q, k, v).name == "triton", name

@@ -251,7 +251,7 @@ def fixed_cost(settings: Settings, results: Results) -> dict:
     q = torch.randn(1, 32, 1, 128, generator=g)
     k, v = (torch.randn(1, 8, 4096, 128, generator=g) for _ in range(2))
     plan = make_plan(q, k, v)
-    lay = kernel_layout(plan, default_block_q(plan.groups, False))
+    lay = kernel_layout(plan.pairs, default_block_q(plan.groups, False))
     ops = load()
 
     def op():

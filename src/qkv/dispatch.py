@@ -107,17 +107,17 @@ def _plain_key(plan: AttentionPlan) -> tuple | None:
     """The decision's key, or None for requests that are not remembered (and under
     torch.compile, where the decision is traced)."""
     if (
-        plan.mask_rule is not None
-        or plan.layout is not None
+        plan.pairs.rule is not None
+        or plan.pairs.layout is not None
         or plan.score_mod is not None
-        or plan.bias is not None
+        or plan.pairs.bias is not None
         or plan.dropout_p > 0
         or torch.compiler.is_compiling()
     ):
         return None
     return (
         plan.device, plan.dtype, plan.batch, plan.heads, plan.kv_heads, plan.q_len,
-        plan.kv_len, plan.head_dim, plan.v_dim, plan.causal, plan.mask is None,
+        plan.kv_len, plan.head_dim, plan.v_dim, plan.pairs.causal, plan.pairs.mask is None,
         plan.finite_inputs, plan.return_lse, plan.return_weights, plan.wants_grad,
         dispatch_state(),
     )  # fmt: skip

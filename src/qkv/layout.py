@@ -19,7 +19,7 @@ their segment boundaries instead of a uniform grid (`segment_tiles`), for a kern
 ragged tile origins (the compiled CPU kernel): a short segment is then one tile, not pieces of
 two.
 
-`layout_for(plan, ...)` keeps the layouts of a Mask in qkv's cache, held against the Mask
+`layout_for(pairs, ...)` keeps the layouts of a Mask in qkv's cache, held against the Mask
 weakly, so a training loop builds each once; `block_layout(...)` builds one to hold, as
 FlexAttention users hold a `BlockMask`, and `qkv.attention(..., mask=layout)` runs it.
 """
@@ -535,18 +535,18 @@ def segment_tiles(
     return SegmentTiles(q_starts, k_starts, rows[maybe], cols[maybe], surely[maybe])
 
 
-def layout_for(plan: Any, block_q: int, block_k: int) -> BlockLayout:
-    """The layout a kernel reads for a plan: a held `BlockLayout` the caller passed (rebuilt
-    for other tile sizes), else built and kept in qkv's cache per (Mask, shapes, tiles, causal)
-    for a Mask or plain problem; a bool mask tensor is read anew every call (its content may
-    change: pass `masks.from_tensor(t)` to keep its layout)."""
-    held = plan.layout
+def layout_for(pairs: Any, block_q: int, block_k: int) -> BlockLayout:
+    """The layout a kernel reads for a problem's `qkv.pairs.Pairs`: a held `BlockLayout` the
+    caller passed (rebuilt for other tile sizes), else built and kept in qkv's cache per (Mask,
+    shapes, tiles, causal) for a Mask or plain problem; a bool mask tensor is read anew every
+    call (its content may change: pass `masks.from_tensor(t)` to keep its layout)."""
+    held = pairs.layout
     if held is not None and (held.block_q, held.block_k) == (block_q, block_k):
         return held
-    rule, causal = plan.mask_rule, plan.causal
-    nq, nk = plan.q_len, plan.kv_len
-    if plan.mask is not None:
-        return build(nq, nk, block_q, block_k, causal=causal, rule=rule, mask=plan.mask)
+    rule, causal = pairs.rule, pairs.causal
+    nq, nk = pairs.q_len, pairs.kv_len
+    if pairs.mask is not None:
+        return build(nq, nk, block_q, block_k, causal=causal, rule=rule, mask=pairs.mask)
     key = ("layout", nq, nk, block_q, block_k, causal)
     return CACHE.get(
         key, lambda: build(nq, nk, block_q, block_k, causal=causal, rule=rule), owner=rule

@@ -15,6 +15,7 @@ import torch
 
 from .layout import BlockLayout
 from .masks import Mask
+from .pairs import Pairs
 from .scores import ScoreMod
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -32,11 +33,7 @@ class AttentionPlan:
     head_dim: int  # D, of q and k
     v_dim: int  # Dv, of v and of the output
     scale: float  # multiplies Q Kᵀ; default 1/√D
-    causal: bool  # bottom-right aligned: query i sees keys j ≤ i + Nk − Nq
-    mask: torch.Tensor | None  # bool, 4-D, broadcastable to (B, H, Nq, Nk); True = may attend
-    bias: torch.Tensor | None  # float, 4-D, broadcastable to (B, H, Nq, Nk); added to scaled scores
-    mask_rule: Mask | None  # a structured qkv.masks.Mask, evaluated tile by tile
-    layout: BlockLayout | None  # a layout the caller built and passed as the mask (held)
+    pairs: Pairs  # which pairs may attend: causal, a Mask, a bool/float mask, a held layout
     score_mod: ScoreMod | None  # applied to the scaled scores before masking
     dropout_p: float  # probability of dropping an attention weight
     dropout_seed: int | torch.Tensor | None  # dropout mask's seed (an int64 0-dim tensor when
@@ -53,19 +50,6 @@ class AttentionPlan:
     def groups(self) -> int:
         """Query heads per key/value head (1 for plain multi-head attention)."""
         return self.heads // self.kv_heads
-
-    @property
-    def causal_offset(self) -> int:
-        """Query i may see key j when j ≤ i + causal_offset (bottom-right alignment)."""
-        return self.kv_len - self.q_len
-
-    @property
-    def has_masking(self) -> bool:
-        """True when some (query, key) pair may be excluded from the softmax (a float bias
-        counts: it may hold −inf; decided on metadata, never by reading values)."""
-        return self.causal or any(
-            x is not None for x in (self.mask, self.bias, self.mask_rule, self.layout)
-        )
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -261,11 +245,7 @@ def make_plan(
         v_dim=Dv,
         scale=scale_f,
         # A single query row (decoding) sees every key under bottom-right causality.
-        causal=causal and Nq > 1,
-        mask=bool_mask,
-        bias=bias,
-        mask_rule=rule,
-        layout=held,
+        pairs=Pairs(Nq, Nk, causal and Nq > 1, rule, bool_mask, bias, held),
         score_mod=score_mod,
         dropout_p=p,
         dropout_seed=dropout_seed if p > 0 else None,

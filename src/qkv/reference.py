@@ -17,7 +17,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from .dropout import keep_mask, keep_scale
-from .layout import dense_allowed
 from .numerics import all_finite, weighted_values
 from .plan import AttentionPlan, from_4d, make_plan, to_4d
 from .scores import ScoreMod
@@ -84,17 +83,15 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     S = (q5 @ k5.transpose(-1, -2)).reshape(B, H, Nq, Nk)  # (B, H, Nq, Nk)
     S_scaled = S * plan.scale
-    if plan.bias is not None:  # a −inf excludes the pair, whatever its score (even NaN)
-        bias = plan.bias.to(cdt)
+    if plan.pairs.bias is not None:  # a −inf excludes the pair, whatever its score (even NaN)
+        bias = plan.pairs.bias.to(cdt)
         S_scaled = torch.where(torch.isneginf(bias), -torch.inf, S_scaled + bias)
     if plan.score_mod is not None:
         b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
         h = torch.arange(H, device=q.device).view(1, H, 1, 1)
-        pos = torch.arange(Nq, device=q.device).view(Nq, 1) + plan.causal_offset
+        pos = torch.arange(Nq, device=q.device).view(Nq, 1) + plan.pairs.causal_offset
         S_scaled = plan.score_mod(S_scaled, b, h, pos, torch.arange(Nk, device=q.device))
-    allowed = dense_allowed(
-        Nq, Nk, causal=plan.causal, rule=plan.mask_rule, mask=plan.mask, device=q.device
-    )
+    allowed = plan.pairs.dense(q.device)
     if allowed is not None:
         S_scaled = torch.where(allowed, S_scaled, -torch.inf)
 

@@ -34,9 +34,9 @@ PATTERNS = {
 }
 
 
-def _plan(mask, causal, nq=200, nk=200):
+def _pairs(mask, causal, nq=200, nk=200):
     q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=nq, Nk=nk, D=8)
-    return make_plan(q, k, v, mask=mask, causal=causal)
+    return make_plan(q, k, v, mask=mask, causal=causal).pairs
 
 
 def _kinds(L: lay.CpuLayout) -> torch.Tensor:
@@ -86,9 +86,9 @@ def _dense(L: lay.CpuLayout, bm: int, hm: int) -> torch.Tensor:
 @pytest.mark.parametrize("bq", [16, 64])
 @pytest.mark.parametrize("name", list(PATTERNS))
 def test_kinds_and_bits_match_the_mask(name, bq, causal):
-    plan = _plan(PATTERNS[name], causal)
-    L = lay.kernel_layout(plan, bq)
-    uniform = layout_for(plan, bq, 64)
+    pairs = _pairs(PATTERNS[name], causal)
+    L = lay.kernel_layout(pairs, bq)
+    uniform = layout_for(pairs, bq, 64)
     if L.q_starts is None:
         assert torch.equal(_kinds(L), uniform.kind)
     else:  # cut at the segments of a packed-sequence mask: never more tiles than the grid
@@ -98,8 +98,8 @@ def test_kinds_and_bits_match_the_mask(name, bq, causal):
     want = torch.ones(bm, hm, 200, 200, dtype=torch.bool)
     if causal:
         want &= torch.ones(200, 200, dtype=torch.bool).tril()
-    if plan.mask_rule is not None:
-        want &= plan.mask_rule.dense4(200, 200)
+    if pairs.rule is not None:
+        want &= pairs.rule.dense4(200, 200)
     # FULL tiles are whole for every (b, h); the allowed pairs read back are exactly the mask's
     assert torch.equal(_dense(L, bm, hm), want.expand(bm, hm, 200, 200))
 
@@ -109,17 +109,17 @@ def test_a_bool_mask_tensor_and_nq_ne_nk():
     mask = torch.rand(2, 1, 90, 150, generator=g) > 0.5
     mask[:, :, :, 64:128] = True  # a column of FULL tiles
     mask[:, :, 10] = False
-    plan = _plan(mask, True, nq=90, nk=150)
-    L = lay.kernel_layout(plan, 16)
-    assert torch.equal(_kinds(L), layout_for(plan, 16, 64).kind)
+    pairs = _pairs(mask, True, nq=90, nk=150)
+    L = lay.kernel_layout(pairs, 16)
+    assert torch.equal(_kinds(L), layout_for(pairs, 16, 64).kind)
     assert L.bits.shape[1:] == (2, 1, 16)
     want = mask[:, :, :, :] & torch.ones(90, 150, dtype=torch.bool).tril(150 - 90)
     assert torch.equal(_dense(L, 2, 1), want)
 
 
 def test_the_transposed_list_holds_the_same_tiles_by_column():
-    plan = _plan(PATTERNS["longformer"], True)
-    L = lay.kernel_layout(plan, 16)
+    pairs = _pairs(PATTERNS["longformer"], True)
+    L = lay.kernel_layout(pairs, 16)
     rows = torch.repeat_interleave(torch.arange(L.row_ptr.numel() - 1), L.row_ptr.diff())
     by_row = sorted(zip(rows.tolist(), L.col_idx.tolist(), L.code.tolist(), strict=True))
     cols = torch.repeat_interleave(torch.arange(L.col_ptr.numel() - 1), L.col_ptr.diff())
@@ -129,10 +129,10 @@ def test_the_transposed_list_holds_the_same_tiles_by_column():
 
 
 def test_bits_are_evaluated_a_chunk_of_tiles_at_a_time(monkeypatch):
-    plan = _plan(PATTERNS["custom"], True)
-    whole = lay.encode(plan, layout_for(plan, 16, 64))
+    pairs = _pairs(PATTERNS["custom"], True)
+    whole = lay.encode(pairs, layout_for(pairs, 16, 64))
     monkeypatch.setattr(lay, "BITS_CHUNK", 5000)  # a few tiles per chunk
-    chunked = lay.encode(plan, layout_for(plan, 16, 64))
+    chunked = lay.encode(pairs, layout_for(pairs, 16, 64))
     for field in ("row_ptr", "col_idx", "code", "col_ptr", "row_idx", "code_t", "bits"):
         assert torch.equal(getattr(whole, field), getattr(chunked, field)), field
 
@@ -153,9 +153,9 @@ def hwm():
 
 n = 1 << 20
 t = torch.empty(1, 1, n, 8, device="meta")
-plan = make_plan(t, t, t, mask=masks.sliding_window(256))
+pairs = make_plan(t, t, t, mask=masks.sliding_window(256)).pairs
 before, start = hwm(), time.perf_counter()
-L = lay.kernel_layout(plan, 64)
+L = lay.kernel_layout(pairs, 64)
 print(time.perf_counter() - start, hwm() - before, L.kept_tiles, L.partial_tiles,
       tuple(L.bits.shape))
 """
@@ -185,14 +185,14 @@ def test_a_million_token_sliding_window_builds_in_seconds_and_o_kept_tiles_memor
 
 def test_layouts_live_in_qkvs_cache():
     CACHE.clear()
-    a = lay.kernel_layout(_plan(None, True), 64)
-    b = lay.kernel_layout(_plan(None, True), 64)
-    c = lay.kernel_layout(_plan(None, False), 64)
+    a = lay.kernel_layout(_pairs(None, True), 64)
+    b = lay.kernel_layout(_pairs(None, True), 64)
+    c = lay.kernel_layout(_pairs(None, False), 64)
     assert a is b and a is not c
     assert c.partial_tiles == 0 and c.kept_tiles == 4 * 4
     rule = masks.sliding_window(20)
-    d = lay.kernel_layout(_plan(rule, True), 64)
-    assert lay.kernel_layout(_plan(rule, True), 64) is d
+    d = lay.kernel_layout(_pairs(rule, True), 64)
+    assert lay.kernel_layout(_pairs(rule, True), 64) is d
     entries = CACHE.info().entries
     del rule, d  # the Mask's entries go with it
     gc.collect()
@@ -203,9 +203,9 @@ def test_a_held_layout_is_read_as_it_is():
     rule = masks.sliding_window(20) | masks.global_tokens([0, 77])
     held = block_layout(rule, 200, causal=True, block_q=32)
     q, k, v = make_qkv(B=2, H=4, Hkv=2, Nq=200, Nk=200, D=8)
-    plan = make_plan(q, k, v, mask=held, causal=True)
-    assert layout_for(plan, 32, 64) is held
-    L = lay.kernel_layout(plan, 32)
+    pairs = make_plan(q, k, v, mask=held, causal=True).pairs
+    assert layout_for(pairs, 32, 64) is held
+    L = lay.kernel_layout(pairs, 32)
     assert torch.equal(L.row_ptr, held.row_ptr) and torch.equal(L.col_idx.long(), held.col)
     assert torch.equal(
         _dense(L, 1, 1)[0, 0],
@@ -228,9 +228,9 @@ def test_packed_segments_cut_the_tiles_at_their_boundaries(cu_q, cu_k, causal):
     rule = masks.varlen(cu_q, cu_k, causal=causal)
     nq, nk = int(cu_q[-1]), int(cu_k[-1])
     q, k, v = make_qkv(B=1, H=2, Nq=nq, Nk=nk, D=8)
-    plan = make_plan(q, k, v, mask=rule)
-    uniform = layout_for(plan, 32, 64).nnz
-    L = lay.segment_layout(plan, 32, uniform)
+    pairs = make_plan(q, k, v, mask=rule).pairs
+    uniform = layout_for(pairs, 32, 64).nnz
+    L = lay.segment_layout(pairs, 32, uniform)
     assert L is not None and L.q_starts is not None and L.k_starts is not None
     qs, ks = _starts(L)
     assert set(cu_q.tolist()) <= set(qs) and set(cu_k.tolist()) <= set(ks)
@@ -238,7 +238,7 @@ def test_packed_segments_cut_the_tiles_at_their_boundaries(cu_q, cu_k, causal):
     if not causal:  # bidirectional segments: every kept tile is FULL, no bits at all
         assert L.partial_tiles == 0
     # the kernel takes the cut where it keeps no more tiles than the grid
-    assert (lay.kernel_layout(plan, 32).q_starts is not None) == (L.kept_tiles <= uniform)
+    assert (lay.kernel_layout(pairs, 32).q_starts is not None) == (L.kept_tiles <= uniform)
 
 
 def test_many_tiny_segments_keep_the_uniform_grid():
@@ -246,8 +246,8 @@ def test_many_tiny_segments_keep_the_uniform_grid():
     cu = torch.arange(0, 201, 3)
     cu[-1] = 200
     q, k, v = make_qkv(B=1, H=2, Nq=200, Nk=200, D=8)
-    plan = make_plan(q, k, v, mask=masks.varlen(cu, cu))
-    L = lay.kernel_layout(plan, 64)
+    pairs = make_plan(q, k, v, mask=masks.varlen(cu, cu)).pairs
+    L = lay.kernel_layout(pairs, 64)
     assert L.q_starts is None
     assert torch.equal(_dense(L, 1, 1)[0, 0], masks.varlen(cu, cu).dense4(200, 200)[0, 0])
 
@@ -275,10 +275,10 @@ def test_a_key_mask_layout_equals_the_general_encoding(nq, nk, shape, causal, p,
     mask = _key_mask(shape, p, seed=nq + nk)
     if shape[-1] == 1:
         mask = torch.ones(shape, dtype=torch.bool)
-    plan = _plan(mask, causal, nq, nk)
-    fast = lay.interval_layout(plan, block_q)
+    pairs = _pairs(mask, causal, nq, nk)
+    fast = lay.interval_layout(pairs, block_q)
     assert fast is not None
-    slow = lay.encode(plan, layout_for(plan, block_q, lay.BLOCK_K))
+    slow = lay.encode(pairs, layout_for(pairs, block_q, lay.BLOCK_K))
     for name in ("row_ptr", "col_idx", "code", "col_ptr", "row_idx", "code_t", "bits"):
         a, b = getattr(fast, name), getattr(slow, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
@@ -305,14 +305,14 @@ def test_a_rule_with_exact_ranges_builds_in_one_pass(name, block_q, causal, nq):
     _needs_kernel()
     rule = EXACT[name]
     assert rule.exact_ranges
-    plan = _plan(rule, causal, nq, 200)
-    fast = lay.interval_layout(plan, block_q)
+    pairs = _pairs(rule, causal, nq, 200)
+    fast = lay.interval_layout(pairs, block_q)
     assert fast is not None and fast.bits.shape[1:3] == (1, 1)
     want = rule.dense4(nq, 200)[0, 0]
     if causal:
         want = want & torch.ones(nq, 200, dtype=torch.bool).tril(200 - nq)
     assert torch.equal(_dense(fast, 1, 1)[0, 0], want)
-    slow = _kinds(lay.encode(plan, layout_for(plan, block_q, lay.BLOCK_K)))
+    slow = _kinds(lay.encode(pairs, layout_for(pairs, block_q, lay.BLOCK_K)))
     mine = _kinds(fast)
     assert not bool(((mine != EMPTY) & (slow == EMPTY)).any())
     assert bool((mine[slow == FULL] == FULL).all())
@@ -327,8 +327,8 @@ def _needs_kernel():
 
 def test_the_interval_layout_declines_other_masks():
     _needs_kernel()
-    plan = _plan(_key_mask((2, 1, 200, 200), 0.8, 0), False)  # varies by row
-    assert lay.interval_layout(plan, 64) is None
+    pairs = _pairs(_key_mask((2, 1, 200, 200), 0.8, 0), False)  # varies by row
+    assert lay.interval_layout(pairs, 64) is None
     for rule in (
         masks.dilated_window(4, 2),  # not an interval
         masks.padding([200, 70]),  # differs by batch element
@@ -337,7 +337,7 @@ def test_the_interval_layout_declines_other_masks():
         masks.strided(8),
     ):
         assert not rule.exact_ranges
-        assert lay.interval_layout(_plan(rule, False), 64) is None
+        assert lay.interval_layout(_pairs(rule, False), 64) is None
 
 
 def test_a_decoding_loop_keeps_one_entry_shared_by_the_layers_of_a_step():
@@ -347,8 +347,8 @@ def test_a_decoding_loop_keeps_one_entry_shared_by_the_layers_of_a_step():
     rule = masks.sliding_window(100) | masks.global_tokens([0])
     for nk in range(300, 340):
         for _layer in range(3):
-            a = lay.kernel_layout(_plan(rule, True, nq=1, nk=nk), 64)
-            b = lay.kernel_layout(_plan(None, True, nq=1, nk=nk), 64)
+            a = lay.kernel_layout(_pairs(rule, True, nq=1, nk=nk), 64)
+            b = lay.kernel_layout(_pairs(None, True, nq=1, nk=nk), 64)
             assert (a.kv_len, b.kv_len) == (nk, nk)
     info = CACHE.info()
     assert info.entries == 2

@@ -161,7 +161,9 @@ def _rebuild_dense(lay, plan, b, h):
     lb, lh = b * lay.lay_b, h * lay.lay_h
     rows = torch.arange(nq).view(-1, 1)
     cols = torch.arange(nk)
-    causal_ok = cols <= rows + (nk - nq) if plan.causal else torch.ones(nq, nk, dtype=torch.bool)
+    causal_ok = (
+        cols <= rows + (nk - nq) if plan.pairs.causal else torch.ones(nq, nk, dtype=torch.bool)
+    )
     bank = lay.bank.cpu() if lay.bank is not None else None
     for i in range(lay.fwd.full_num.shape[2]):
         r0, r1 = i * bm, min((i + 1) * bm, nq)

@@ -135,7 +135,7 @@ def test_proportional_attention_is_a_key_side_bias_on_fast_backends(backend):
     size = torch.randint(1, 9, (2, 41), generator=g).float()
     bias = log_size_bias(size)
     assert bias.shape == (2, 1, 1, 41)  # O(B·N), broadcast by the kernels; never N×N
-    assert make_plan(q, k, v, mask=bias).bias.shape == (2, 1, 1, 41)
+    assert make_plan(q, k, v, mask=bias).pairs.bias.shape == (2, 1, 1, 41)
     gold = _golden_bias(q, k, v, size)
     ref = qkv.attention(q, k, v, mask=bias.expand(2, 1, 37, 41).clone(), backend="reference")
     out = proportional_attention(q, k, v, size, backend=backend, finite_inputs=True)

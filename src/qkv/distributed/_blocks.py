@@ -212,6 +212,6 @@ def tiles_per_rank(
                 k = torch.empty(1, 1, blk.k.length, 1, device="meta")
                 m = block_mask(blk, mask, seq_len, 0, mask.heads if mask else None)
                 plan = _plan(q, k, k, blk, m, 1.0)
-                total += layout_for(plan, tiling.block_q, tiling.block_k).nnz
+                total += layout_for(plan.pairs, tiling.block_q, tiling.block_k).nnz
         counts.append(total)
     return counts

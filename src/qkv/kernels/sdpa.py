@@ -46,9 +46,11 @@ def refusal(plan: AttentionPlan) -> str | None:
         return "torch SDPA has no score modifiers"
     if plan.groups > 1 and not _HAS_GQA:
         return f"this torch ({torch.__version__}) SDPA has no enable_gqa"
-    if plan.bias is not None and plan.bias.dtype != plan.dtype:
-        return f"torch SDPA needs a float mask of q's dtype {plan.dtype}, got {plan.bias.dtype}"
-    if plan.has_masking and not plan.finite_inputs:
+    if plan.pairs.bias is not None and plan.pairs.bias.dtype != plan.dtype:
+        return (
+            f"torch SDPA needs a float mask of q's dtype {plan.dtype}, got {plan.pairs.bias.dtype}"
+        )
+    if plan.pairs.restricted and not plan.finite_inputs:
         return (
             "some pairs are masked and k/v may hold NaN/inf there, which torch SDPA would "
             "let through (0 · NaN); pass finite_inputs=True if they cannot"
@@ -79,12 +81,12 @@ def auto_passes_over(plan: AttentionPlan) -> str | None:
         )
     if not _tiles_skipped_elsewhere(plan):
         return None
-    if plan.mask_rule is not None:
+    if plan.pairs.rule is not None:
         return (
             "a structured qkv.masks.Mask would reach torch SDPA only as a dense Nq×Nk mask; "
             "tiled skips the empty tiles"
         )
-    if plan.causal and plan.q_len < plan.kv_len:
+    if plan.pairs.causal and plan.q_len < plan.kv_len:
         return (
             "causal with Nq < Nk is bottom-right aligned, which torch SDPA could only take as "
             "a dense Nq×Nk mask; tiled skips the tiles above the diagonal instead"
@@ -107,17 +109,17 @@ class SdpaBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        attn_mask = plan.mask if plan.mask is not None else plan.bias
-        if plan.mask_rule is not None:  # asked for by name: pay for the dense mask
-            attn_mask = plan.mask_rule.dense4(plan.q_len, plan.kv_len, q.device)
-        if plan.causal and plan.q_len > plan.kv_len and attn_mask is None:
+        attn_mask = plan.pairs.mask if plan.pairs.mask is not None else plan.pairs.bias
+        if plan.pairs.rule is not None:  # asked for by name: pay for the dense mask
+            attn_mask = plan.pairs.rule.dense4(plan.q_len, plan.kv_len, q.device)
+        if plan.pairs.causal and plan.q_len > plan.kv_len and attn_mask is None:
             # Rows 0 … Nq−Nk−1 see no key (output 0); the last Nk rows are square causal.
             skip = plan.q_len - plan.kv_len
             out = torch.zeros(*q.shape[:-1], plan.v_dim, dtype=q.dtype, device=q.device)
             out[..., skip:, :] = _call(q[..., skip:, :], k, v, None, True, plan)
             return out, None, None
         is_causal = False
-        if plan.causal:
+        if plan.pairs.causal:
             if plan.q_len == plan.kv_len and attn_mask is None:
                 is_causal = True  # top-left equals bottom-right when Nq == Nk
             else:  # Nq < Nk (asked for by name) or a mask to combine with: one dense mask

@@ -96,7 +96,7 @@ def _band_spans(plan: AttentionPlan) -> list[tuple[int, int, int, int]]:
     within the budget (the first bands of a causal problem hold many short rows)."""
     Nq, Nk, H = plan.q_len, plan.kv_len, plan.heads
     rows = max(1, min(Nq, BAND_BYTES // (H * Nk * 4)))  # rows of full width that fit
-    if plan.mask_rule is None and not plan.causal:
+    if plan.pairs.rule is None and not plan.pairs.causal:
         return [(r0, min(Nq, r0 + rows), 0, Nk) for r0 in range(0, Nq, rows)]
     unit = min(rows, TILE)  # the rows of one step, each with its kept key range
     kept = _kept_tiles(plan, unit)  # (steps, key tiles) bool
@@ -120,7 +120,7 @@ def _band_spans(plan: AttentionPlan) -> list[tuple[int, int, int, int]]:
 def _kept_tiles(plan: AttentionPlan, rows: int) -> torch.Tensor:
     """Which key tiles each band of `rows` query rows keeps: the plan's block layout (causal
     rule and structured mask, any batch element, any head) for `rows × TILE` tiles."""
-    return layout_for(plan, rows, TILE).kind != EMPTY
+    return layout_for(plan.pairs, rows, TILE).kind != EMPTY
 
 
 def _band(
@@ -144,10 +144,12 @@ def _band(
     s = buf[: plan.heads * n * w].view(Hkv, G * n, w)
     torch.baddbmm(s, q_band, kt[:, :, c0:c1], beta=0, alpha=plan.scale, out=s)  # scaled scores
     s = s.view(plan.heads, n, w)
-    if plan.bias is not None:
-        s.add_(_cut(plan.bias, b, r0, r1, c0, c1).to(s.dtype))
-    empty_rows = plan.bias is not None or plan.mask is not None or plan.mask_rule is not None
-    if plan.causal and not empty_rows:
+    if plan.pairs.bias is not None:
+        s.add_(_cut(plan.pairs.bias, b, r0, r1, c0, c1).to(s.dtype))
+    empty_rows = (
+        plan.pairs.bias is not None or plan.pairs.mask is not None or plan.pairs.rule is not None
+    )
+    if plan.pairs.causal and not empty_rows:
         # Only keys past the band's first row can be hidden: mask that triangle, not the band.
         d0, hidden, empty_rows = causal_hidden(r0, r1, c0, c1, plan.q_len, plan.kv_len, s.device)
         if hidden is not None:
@@ -170,12 +172,12 @@ def _allowed(
     """Which pairs of rows r0:r1 and keys c0:c1 may attend, broadcastable to `(H, n, w)`."""
     rows = torch.arange(r0, r1, device=device).unsqueeze(1)
     cols = torch.arange(c0, c1, device=device)
-    ok = allowed(0, 0, rows, cols, q_len=plan.q_len, kv_len=plan.kv_len, causal=plan.causal)
-    if plan.mask is not None:
-        m = _cut(plan.mask, b, r0, r1, c0, c1)
+    ok = allowed(0, 0, rows, cols, q_len=plan.q_len, kv_len=plan.kv_len, causal=plan.pairs.causal)
+    if plan.pairs.mask is not None:
+        m = _cut(plan.pairs.mask, b, r0, r1, c0, c1)
         ok = m if ok is None else ok & m
-    if plan.mask_rule is not None:
-        rule = plan.mask_rule
+    if plan.pairs.rule is not None:
+        rule = plan.pairs.rule
         bi = torch.tensor([b if rule.batch else 0], device=device).view(1, 1, 1)
         hi = torch.arange(plan.heads if rule.heads else 1, device=device).view(-1, 1, 1)
         m = rule.evaluate(bi, hi, rows, cols, plan.q_len, plan.kv_len)

@@ -142,7 +142,7 @@ class CpuBackend:
             )
         if plan.return_weights:
             return "the cpu backend never materialises the attention weights (use 'reference')"
-        if plan.bias is not None:
+        if plan.pairs.bias is not None:
             return "a float mask (additive bias) is not read by the compiled kernel; tiled takes it"
         _, why = _mods(plan)
         if why is not None:
@@ -186,10 +186,12 @@ class CpuBackend:
         if why is not None:
             raise NotImplementedError(f"backend='cpu' cannot run this request: {why}")
         slopes, softcap, alibi_after = mods
-        masked = plan.mask is not None or plan.mask_rule is not None
-        bq = self.block_q or default_block_q(plan.groups, masked, plan.causal)
-        bq_bwd = self.block_q or default_block_q(plan.groups, masked, plan.causal, backward=True)
-        held = plan.layout
+        masked = plan.pairs.mask is not None or plan.pairs.rule is not None
+        bq = self.block_q or default_block_q(plan.groups, masked, plan.pairs.causal)
+        bq_bwd = self.block_q or default_block_q(
+            plan.groups, masked, plan.pairs.causal, backward=True
+        )
+        held = plan.pairs.layout
         if self.block_q is None and held is not None and held.block_k == BLOCK_K:
             bq = bq_bwd = held.block_q  # the caller's layout is read as it is, not rebuilt
         seed = plan.dropout_seed if plan.dropout_p > 0 else None
@@ -198,11 +200,13 @@ class CpuBackend:
         # Without a gradient, the op alone (Function.apply binds its arguments on every call),
         # and outside torch.compile its function itself (the dispatcher costs ~40 µs a call,
         # a tenth of a decoding step at Nk = 1024).
-        args = (
-            q, k, v, plan.mask, seed, None if slopes is None else slopes.to(torch.float32),
-            plan.scale, plan.causal, plan.dropout_p, softcap, alibi_after,
-            handle(plan.mask_rule), handle(plan.layout), bq, cpu_op.precise_scores(), isa,
+        numbers = cpu_op.CpuArgs(
+            scale=plan.scale, causal=plan.pairs.causal, dropout_p=plan.dropout_p,
+            softcap=softcap, alibi_after=alibi_after, rule=handle(plan.pairs.rule),
+            held=handle(held), block_q=bq, precise_scores=cpu_op.precise_scores(), isa=isa,
         )  # fmt: skip
+        f32_slopes = None if slopes is None else slopes.to(torch.float32)
+        args = (q, k, v, plan.pairs.mask, seed, f32_slopes, *numbers)
         if plan.wants_grad:
             out, lse, _, _ = cpu_op.CpuAttention.apply(*args, bq_bwd)
         elif torch.compiler.is_compiling():

@@ -75,9 +75,9 @@ def kind_of(plan: AttentionPlan) -> str:
     if plan.q_len <= DECODE_ROWS and plan.kv_len > plan.q_len:
         heads = "gqa" if plan.groups > 1 else "mha"
         return f"decode-{heads}-{'q1' if plan.q_len == 1 else 'qN'}"
-    if plan.mask is not None:
+    if plan.pairs.mask is not None:
         return "masked"
-    return "causal" if plan.causal else "dense"
+    return "causal" if plan.pairs.causal else "dense"
 
 
 def class_of(plan: AttentionPlan) -> str:
@@ -95,7 +95,7 @@ def work_of(plan: AttentionPlan) -> float:
     if kind_of(plan).startswith("decode"):
         return float(plan.batch * plan.kv_heads * plan.kv_len * (plan.head_dim + plan.v_dim))
     w = plan.batch * plan.heads * plan.q_len * plan.kv_len * (plan.head_dim + plan.v_dim)
-    return w / 2 if plan.causal and plan.q_len == plan.kv_len else float(w)
+    return w / 2 if plan.pairs.causal and plan.q_len == plan.kv_len else float(w)
 
 
 @dataclass(frozen=True)

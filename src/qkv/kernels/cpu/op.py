@@ -14,32 +14,36 @@ graph).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 import torch
 
 from ...cache import lookup
 from ...numerics import once_differentiable
+from ...pairs import OpPairs, Pairs
 from . import load
 from .tile_encoding import kernel_layout
 
 
-@dataclass(frozen=True)
-class _Problem:
-    """What the layout reads of a plan, rebuilt from an op's arguments."""
+class CpuArgs(NamedTuple):
+    """The ops' arguments after the tensors `(q, k, v, mask, seed, slopes)`, in the ops' order:
+    build them by name, read them by name."""
 
-    q_len: int
-    kv_len: int
+    scale: float
     causal: bool
-    mask: torch.Tensor | None
-    mask_rule: Any
-    layout: Any
+    dropout_p: float
+    softcap: float
+    alibi_after: bool
+    rule: int  # the Mask's `qkv.cache.handle`
+    held: int  # a held BlockLayout's handle
+    block_q: int
+    precise_scores: bool
+    isa: str
 
 
 def _layout(q, k, mask, causal: bool, rule: int, held: int, block_q: int):
-    problem = _Problem(q.shape[2], k.shape[2], causal, mask, lookup(rule), lookup(held))
-    return kernel_layout(problem, block_q)  # type: ignore[arg-type]
+    pairs = Pairs.from_op(q.shape[2], k.shape[2], OpPairs(mask, None, causal, rule, held))
+    return kernel_layout(pairs, block_q)
 
 
 @torch.compiler.assume_constant_result  # a compiled graph keeps the setting it was traced under
@@ -160,10 +164,10 @@ def _(dout, dlse, q, k, v, *args):
 
 
 class CpuAttention(torch.autograd.Function):
-    """Autograd around the two ops: `apply(q, k, v, mask, seed, slopes, scale, causal,
-    dropout_p, softcap, alibi_after, rule, held, block_q, precise_scores, isa, backward_block_q)`
-    → `(out, lse, m, l)`. The backward tiles the queries by `backward_block_q` rows: a score has
-    the same bits whatever its tile, so the backward recomputes the forward's weights exactly."""
+    """Autograd around the two ops: `apply(q, k, v, mask, seed, slopes, *CpuArgs(...),
+    backward_block_q)` → `(out, lse, m, l)`. The backward tiles the queries by
+    `backward_block_q` rows: a score has the same bits whatever its tile, so the backward
+    recomputes the forward's weights exactly."""
 
     @staticmethod
     def forward(q, k, v, *args):  # type: ignore[override]
@@ -171,14 +175,14 @@ class CpuAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
-        q, k, v, mask, seed, slopes, *rest = inputs
+        q, k, v, mask, seed, slopes, *numbers, backward_block_q = inputs
         out, _, m, l = output
         ctx.save_for_backward(q, k, v, out, m, l, mask, seed, slopes)
-        *rest, backward_block_q = rest
-        rest[-3] = backward_block_q  # (…, block_q, precise_scores, isa)
-        ctx.args = tuple(rest)
+        args = CpuArgs(*numbers)._replace(block_q=backward_block_q)
+        ctx.args = tuple(args)
+        ctx.not_differentiable = len(inputs) - 3  # all but q, k, v
         if not torch.compiler.is_compiling():  # eager: the Mask lives until the backward
-            ctx.alive = (lookup(rest[-5]), lookup(rest[-4]))
+            ctx.alive = (lookup(args.rule), lookup(args.held))
         ctx.mark_non_differentiable(m, l)
         ctx.set_materialize_grads(False)
 
@@ -189,4 +193,4 @@ class CpuAttention(torch.autograd.Function):
             if dout is None:
                 dout = torch.zeros_like(out)
             grads = cpu_backward(dout, dlse, q, k, v, out, m, l, mask, seed, slopes, *ctx.args)
-        return *once_differentiable("cpu", grads, (q, k, v)), *([None] * 14)
+        return *once_differentiable("cpu", grads, (q, k, v)), *([None] * ctx.not_differentiable)

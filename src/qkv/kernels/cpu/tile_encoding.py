@@ -1,7 +1,7 @@
 """What the compiled CPU kernel reads of a problem's block layout.
 
 The tiles themselves come from `qkv.layout` — the one place that works out which tiles are
-EMPTY, PARTIAL or FULL — as `layout_for(plan, block_q, 64)` (or the `BlockLayout` the caller
+EMPTY, PARTIAL or FULL — as `layout_for(pairs, block_q, 64)` (or the `BlockLayout` the caller
 holds, when it has these tile sizes). A tile is 64 keys wide, so a tile row's allowed keys fit
 in one uint64. This module only re-encodes that layout for the kernel:
 
@@ -44,7 +44,7 @@ import torch
 
 from ...cache import CACHE
 from ...layout import BlockLayout, allowed, layout_for, row_intervals, segment_tiles
-from ...plan import AttentionPlan
+from ...pairs import Pairs
 from .build import loaded
 
 BLOCK_K = 64  # keys per tile: one uint64 of mask bits per tile row
@@ -78,9 +78,9 @@ class CpuLayout:
         return int(self.bits.shape[0])
 
 
-def mask_dims(plan: AttentionPlan) -> tuple[int, int]:
+def mask_dims(pairs: Pairs) -> tuple[int, int]:
     """(Bm, Hm): how many batch elements / heads the allowed pairs differ over (1 or B, 1 or H)."""
-    rule, mask = plan.mask_rule, plan.mask
+    rule, mask = pairs.rule, pairs.mask
     bm = max(rule.batch or 1 if rule is not None else 1, mask.shape[0] if mask is not None else 1)
     hm = max(rule.heads or 1 if rule is not None else 1, mask.shape[1] if mask is not None else 1)
     return bm, hm
@@ -97,7 +97,7 @@ def pack_bits(ok: torch.Tensor) -> torch.Tensor:
 
 
 def partial_bits(
-    plan: AttentionPlan,
+    pairs: Pairs,
     rows: torch.Tensor,
     cols: torch.Tensor,
     block_q: int,
@@ -107,27 +107,27 @@ def partial_bits(
     """bits `(P, Bm, Hm, block_q)` int64 of the PARTIAL tiles at (query tile, key tile) =
     (rows[p], cols[p]), evaluated by `qkv.layout.allowed` a chunk of tiles at a time; tile
     origins from `q_starts`/`k_starts` when given, else the uniform grid."""
-    nq, nk = plan.q_len, plan.kv_len
+    nq, nk = pairs.q_len, pairs.kv_len
     if q_starts is None:
         q_starts = torch.arange(-(-nq // block_q) + 1) * block_q
         k_starts = torch.arange(-(-nk // BLOCK_K) + 1) * BLOCK_K
     assert k_starts is not None
     q_ends = q_starts[1:].clamp(max=nq)
     k_ends = k_starts[1:].clamp(max=nk)
-    bm, hm = mask_dims(plan)
+    bm, hm = mask_dims(pairs)
     out = torch.empty(rows.numel(), bm, hm, block_q, dtype=torch.int64)
     per = max(1, BITS_CHUNK // (block_q * BLOCK_K * bm * hm))
     r_off = torch.arange(block_q).view(1, block_q, 1)
     c_off = torch.arange(BLOCK_K).view(1, 1, BLOCK_K)
     b = torch.arange(bm).view(-1, 1, 1, 1, 1)
     h = torch.arange(hm).view(1, -1, 1, 1, 1)
-    mask = None if plan.mask is None else plan.mask.cpu()
+    mask = None if pairs.mask is None else pairs.mask.cpu()
     for a in range(0, rows.numel(), per):
         ti, tj = rows[a : a + per].view(-1, 1, 1), cols[a : a + per].view(-1, 1, 1)
         r = q_starts[ti] + r_off  # (p, bq, 1)
         c = k_starts[tj] + c_off  # (p, 1, 64)
         ok = allowed(b, h, r.clamp(max=nq - 1), c.clamp(max=nk - 1), q_len=nq, kv_len=nk,
-                     causal=plan.causal, rule=plan.mask_rule, mask=mask)  # fmt: skip
+                     causal=pairs.causal, rule=pairs.rule, mask=mask)  # fmt: skip
         inside = (r < q_ends[ti]) & (c < k_ends[tj])
         ok = inside if ok is None else ok & inside
         ok = torch.broadcast_to(ok, (bm, hm, r.shape[0], block_q, BLOCK_K))
@@ -135,8 +135,8 @@ def partial_bits(
     return out
 
 
-def encode(plan: AttentionPlan, lay: BlockLayout) -> CpuLayout:
-    """`lay` (a `block_q × 64` BlockLayout of `plan`) as the kernel's arrays, with the bits of
+def encode(pairs: Pairs, lay: BlockLayout) -> CpuLayout:
+    """`lay` (a `block_q × 64` BlockLayout of `pairs`) as the kernel's arrays, with the bits of
     its PARTIAL tiles."""
     if lay.block_k != BLOCK_K:
         raise ValueError(f"the compiled kernel reads 64-key tiles, got block_k={lay.block_k}")
@@ -154,19 +154,19 @@ def encode(plan: AttentionPlan, lay: BlockLayout) -> CpuLayout:
         col_ptr=lay.col_ptr,
         row_idx=rows[lay.by_col].to(torch.int32),
         code_t=code[lay.by_col],
-        bits=partial_bits(plan, rows[partial], lay.col[partial], lay.block_q),
+        bits=partial_bits(pairs, rows[partial], lay.col[partial], lay.block_q),
     )
 
 
-def segment_layout(plan: AttentionPlan, block_q: int, uniform_tiles: int) -> CpuLayout | None:
-    """The layout with tiles cut at the segment boundaries of `plan`'s packed-sequence mask
+def segment_layout(pairs: Pairs, block_q: int, uniform_tiles: int) -> CpuLayout | None:
+    """The layout with tiles cut at the segment boundaries of `pairs`'s packed-sequence mask
     (module docstring; the tiles from `qkv.layout.segment_tiles`), or None when the mask has no
     segments or the cut's candidate tiles outnumber the uniform grid's kept tiles
     (`uniform_tiles`) fourfold (it could not win; this bounds its cost)."""
-    if plan.mask_rule is None or plan.mask is not None or plan.layout is not None:
+    if pairs.rule is None or pairs.mask is not None or pairs.layout is not None:
         return None
     cut = segment_tiles(
-        plan.q_len, plan.kv_len, block_q, BLOCK_K, causal=plan.causal, rule=plan.mask_rule,
+        pairs.q_len, pairs.kv_len, block_q, BLOCK_K, causal=pairs.causal, rule=pairs.rule,
         max_candidates=4 * uniform_tiles,
     )  # fmt: skip
     if cut is None:
@@ -179,8 +179,8 @@ def segment_layout(plan: AttentionPlan, block_q: int, uniform_tiles: int) -> Cpu
     zero = torch.zeros(1, dtype=torch.long)
     return CpuLayout(
         block_q=block_q,
-        q_len=plan.q_len,
-        kv_len=plan.kv_len,
+        q_len=pairs.q_len,
+        kv_len=pairs.kv_len,
         row_ptr=torch.cat([zero, torch.bincount(cut.rows, minlength=nqb).cumsum(0)]),
         col_idx=cut.cols.to(torch.int32),
         code=code,
@@ -188,14 +188,14 @@ def segment_layout(plan: AttentionPlan, block_q: int, uniform_tiles: int) -> Cpu
         row_idx=cut.rows[by_col].to(torch.int32),
         code_t=code[by_col],
         bits=partial_bits(
-            plan, cut.rows[partial], cut.cols[partial], block_q, cut.q_starts, cut.k_starts
+            pairs, cut.rows[partial], cut.cols[partial], block_q, cut.q_starts, cut.k_starts
         ),
         q_starts=cut.q_starts,
         k_starts=cut.k_starts,
     )
 
 
-def interval_layout(plan: AttentionPlan, block_q: int) -> CpuLayout | None:
+def interval_layout(pairs: Pairs, block_q: int) -> CpuLayout | None:
     """The arrays `encode(layout_for(...))` gives (the same allowed pairs; a tile the rule's
     bounds leave PARTIAL may be FULL here), built by the kernel's `tile_layout` in one pass over
     the tiles, for problems whose allowed keys are intervals per query row: no mask, a rule with
@@ -205,8 +205,8 @@ def interval_layout(plan: AttentionPlan, block_q: int) -> CpuLayout | None:
     step, a few milliseconds at 64k tokens, where the tile-by-tile examination with torch
     operations costs tens. None where it does not apply (a rule without exact ranges, a mask
     that varies by row, a held layout) or the kernel is not loaded."""
-    rule, m = plan.mask_rule, plan.mask
-    if plan.layout is not None or plan.q_len == 0 or plan.kv_len == 0:
+    rule, m = pairs.rule, pairs.mask
+    if pairs.layout is not None or pairs.q_len == 0 or pairs.kv_len == 0:
         return None
     if (rule is not None and not rule.exact_ranges) or (m is not None and m.shape[2] != 1):
         return None
@@ -215,35 +215,35 @@ def interval_layout(plan: AttentionPlan, block_q: int) -> CpuLayout | None:
         return None
     lo = hi = keys = None
     if rule is not None:
-        lo, hi = row_intervals(rule, plan.q_len, plan.kv_len)
+        lo, hi = row_intervals(rule, pairs.q_len, pairs.kv_len)
     if m is not None:
-        bm, hm = mask_dims(plan)
-        keys = m[:, :, 0, :].cpu().expand(bm, hm, plan.kv_len)
-    arrays = ops.tile_layout(lo, hi, keys, plan.q_len, plan.kv_len, block_q, plan.causal)
-    return CpuLayout(block_q, plan.q_len, plan.kv_len, *arrays)
+        bm, hm = mask_dims(pairs)
+        keys = m[:, :, 0, :].cpu().expand(bm, hm, pairs.kv_len)
+    arrays = ops.tile_layout(lo, hi, keys, pairs.q_len, pairs.kv_len, block_q, pairs.causal)
+    return CpuLayout(block_q, pairs.q_len, pairs.kv_len, *arrays)
 
 
-def _build(plan: AttentionPlan, block_q: int) -> CpuLayout:
-    uniform = interval_layout(plan, block_q)
+def _build(pairs: Pairs, block_q: int) -> CpuLayout:
+    uniform = interval_layout(pairs, block_q)
     if uniform is None:
-        uniform = encode(plan, layout_for(plan, block_q, BLOCK_K))
-    cut = segment_layout(plan, block_q, uniform.kept_tiles)
+        uniform = encode(pairs, layout_for(pairs, block_q, BLOCK_K))
+    cut = segment_layout(pairs, block_q, uniform.kept_tiles)
     if cut is not None and cut.kept_tiles <= uniform.kept_tiles:
         return cut
     return uniform
 
 
-def kernel_layout(plan: AttentionPlan, block_q: int) -> CpuLayout:
-    """The kernel's arrays for `plan` with tiles of at most `block_q × 64` (module docstring),
+def kernel_layout(pairs: Pairs, block_q: int) -> CpuLayout:
+    """The kernel's arrays for `pairs` with tiles of at most `block_q × 64` (module docstring),
     from qkv's cache; a bool mask tensor's read anew every call. One query tile (a decoding
     step) keeps a single entry per (Mask, Nq, causal) for the latest key length: every layer of
     a step shares it, and a loop over growing lengths pins no entry per length."""
-    if plan.mask is not None:
-        fast = interval_layout(plan, block_q)
-        return fast if fast is not None else encode(plan, layout_for(plan, block_q, BLOCK_K))
-    shape = (plan.q_len, block_q, plan.causal, *mask_dims(plan))
-    if plan.q_len <= block_q:
+    if pairs.mask is not None:
+        fast = interval_layout(pairs, block_q)
+        return fast if fast is not None else encode(pairs, layout_for(pairs, block_q, BLOCK_K))
+    shape = (pairs.q_len, block_q, pairs.causal, *mask_dims(pairs))
+    if pairs.q_len <= block_q:
         key = ("cpu-layout-step", *shape)
-        return CACHE.latest(key, plan.kv_len, lambda: _build(plan, block_q), plan.mask_rule)
-    key = ("cpu-layout", plan.kv_len, *shape)
-    return CACHE.get(key, lambda: _build(plan, block_q), owner=plan.mask_rule)
+        return CACHE.latest(key, pairs.kv_len, lambda: _build(pairs, block_q), pairs.rule)
+    key = ("cpu-layout", pairs.kv_len, *shape)
+    return CACHE.get(key, lambda: _build(pairs, block_q), owner=pairs.rule)

@@ -133,7 +133,11 @@ class TiledBackend:
     ) -> str | None:
         if plan.return_weights:
             return "tiled never materialises the attention weights (use backend='reference')"
-        if plan.bias is not None and plan.bias.requires_grad and torch.is_grad_enabled():
+        if (
+            plan.pairs.bias is not None
+            and plan.pairs.bias.requires_grad
+            and torch.is_grad_enabled()
+        ):
             return "tiled does not differentiate a float mask (it requires grad)"
         return None
 

@@ -72,7 +72,7 @@ class FusedStrips:
 
 def reason(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when the fused path computes this plan exactly, else why the tiled loop runs."""
-    if plan.mask_rule is None:
+    if plan.pairs.rule is None:
         return "no structured qkv.masks.Mask"
     if q.device.type != "cpu":
         return "the fused op runs on the CPU only"
@@ -84,7 +84,7 @@ def reason(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return "score modifiers are applied by the tiled loop"
     if plan.return_weights:
         return "weights are not returned by the fused op"
-    if plan.mask is not None or plan.bias is not None:
+    if plan.pairs.mask is not None or plan.pairs.bias is not None:
         return "a tensor mask is applied by the tiled loop"
     if plan.head_dim != plan.v_dim:
         return "the fused op needs Dv == D"
@@ -162,7 +162,7 @@ class Schedule:
         self.cfg = cfg
         self.block_k = block_k
         nq, nk = plan.q_len, plan.kv_len
-        lay = layout_for(plan, block_q, block_k)
+        lay = layout_for(plan.pairs, block_q, block_k)
         self.kept_fraction = lay.kept_fraction
         groups: dict[tuple, list] = {}
         singles = []
@@ -211,7 +211,7 @@ class Schedule:
         reads them as strided views."""
         elt = torch.empty((), dtype=p.dtype).element_size()
         bh, bhkv = p.batch * p.heads, p.batch * p.kv_heads
-        mask_heads = p.heads if p.mask_rule is not None and p.mask_rule.heads else 1
+        mask_heads = p.heads if p.pairs.rule is not None and p.pairs.rule.heads else 1
         rows, window = n_rows * bh * p.head_dim, width * bhkv * p.head_dim
         tensors = rows if views else 2 * rows + 2 * window
         return elt * tensors + (elt + 1) * n_rows * width * mask_heads
@@ -292,14 +292,14 @@ def schedule(plan: AttentionPlan, block_q: int, block_k: int, cfg: FusedStrips) 
         plan.q_len,
         plan.kv_len,
         plan.head_dim,
-        plan.causal,
+        plan.pairs.causal,
         plan.dtype,
         str(plan.device),
         block_q,
         block_k,
         cfg,
     )
-    return CACHE.get(key, lambda: Schedule(plan, block_q, block_k, cfg), owner=plan.mask_rule)
+    return CACHE.get(key, lambda: Schedule(plan, block_q, block_k, cfg), owner=plan.pairs.rule)
 
 
 # ------------------------------------------------------------------------------ the pieces
@@ -368,7 +368,7 @@ def _allowed(plan: AttentionPlan, batch: _Batch, b: int | None, block_k: int) ->
     True without arithmetic; the rule (and causal flag) is evaluated on the PARTIAL tiles only,
     all at once as `(P, 1|H, R, block_k)` blocks; padded columns are False. When every strip's
     mask is the same (the inside of a band), one `(1, 1|H, R, W)` mask serves all (broadcast)."""
-    rule = plan.mask_rule
+    rule = plan.pairs.rule
     assert rule is not None
     n, R, W = batch.r0.numel(), batch.n_rows, batch.width
     hm = plan.heads if rule.heads else 1
@@ -381,7 +381,14 @@ def _allowed(plan: AttentionPlan, batch: _Batch, b: int | None, block_k: int) ->
         bi = torch.zeros(1, 1, 1, 1, dtype=torch.long) + (b or 0)
         hi = torch.arange(hm).view(1, -1, 1, 1)
         vals = layout_allowed(
-            bi, hi, rows, cols, q_len=plan.q_len, kv_len=plan.kv_len, causal=plan.causal, rule=rule
+            bi,
+            hi,
+            rows,
+            cols,
+            q_len=plan.q_len,
+            kv_len=plan.kv_len,
+            causal=plan.pairs.causal,
+            rule=rule,
         )
         vals = vals.expand(-1, hm, R, block_k)
         inside = j.view(1, -1) < length.view(-1, 1)  # (P, bk): a tile cut short at its end
@@ -438,7 +445,7 @@ def forward(plan: AttentionPlan, sched: Schedule, q, k, v):
 def _batch_elements(plan: AttentionPlan) -> list[int | None]:
     """None: batch folded into heads. A rule that depends on the batch element (or on the head,
     with B > 1) runs one element at a time, so its mask is never repeated B times."""
-    rule = plan.mask_rule
+    rule = plan.pairs.rule
     assert rule is not None
     if rule.batch is not None or (rule.heads is not None and plan.batch > 1):
         return list(range(plan.batch))

@@ -17,6 +17,7 @@ import torch
 
 from ...cache import handle, lookup
 from ...numerics import once_differentiable
+from ...pairs import OpPairs, Pairs
 from ...plan import AttentionPlan
 from . import fused as fused_mod
 from .fused import FusedStrips
@@ -35,11 +36,7 @@ def _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, want_grad
         head_dim=D,
         v_dim=v.shape[-1],
         scale=scale,
-        causal=causal,
-        mask=mask,
-        bias=bias,
-        mask_rule=lookup(rule),
-        layout=lookup(held),
+        pairs=Pairs.from_op(Nq, k.shape[2], OpPairs(mask, bias, causal, rule, held)),
         score_mod=None,
         dropout_p=dropout_p,
         dropout_seed=seed,
@@ -173,6 +170,7 @@ class TiledAttention(torch.autograd.Function):
         _, _, row_max, row_sum = output
         ctx.save_for_backward(q, k, v, mask, bias, seed, row_max, row_sum)
         ctx.args = (scale, causal, dropout_p, finite, rule, held, *cfg)
+        ctx.not_differentiable = len(inputs) - 3  # all but q, k, v
         if not torch.compiler.is_compiling():  # eager: the Mask lives until the backward
             ctx.alive = (lookup(rule), lookup(held))
         ctx.mark_non_differentiable(row_max, row_sum)
@@ -187,7 +185,7 @@ class TiledAttention(torch.autograd.Function):
                 dlse = torch.zeros_like(row_max)
             stats = (row_max, row_sum)
             grads = tiled_backward(q, k, v, mask, bias, seed, *stats, dout, dlse, *ctx.args)
-        return *once_differentiable("tiled", grads, (q, k, v)), *([None] * 12)
+        return *once_differentiable("tiled", grads, (q, k, v)), *([None] * ctx.not_differentiable)
 
 
 # -- vmap: fold the mapped dimension into the batch ---------------------------------------------
@@ -247,16 +245,16 @@ def attention(
         q,
         k,
         v,
-        plan.mask,
-        plan.bias,
+        plan.pairs.mask,
+        plan.pairs.bias,
         seed,
         plan.scale,
-        plan.causal,
+        plan.pairs.causal,
         plan.dropout_p,
         plan.finite_inputs,
         plan.wants_grad,
-        handle(plan.mask_rule),
-        handle(plan.layout),
+        handle(plan.pairs.rule),
+        handle(plan.pairs.layout),
         [tiling.block_q, tiling.block_k, tiling.max_rows, tiling.max_cols],
         [] if cfg is None else [cfg.rows, cfg.waste, cfg.wide, cfg.budget, cfg.mask_cache],
     )

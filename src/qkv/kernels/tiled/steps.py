@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ...dropout import keep_mask, keep_scale
-from ...layout import BlockLayout, Strip, allowed, layout_for
+from ...layout import BlockLayout, Strip, layout_for
 from ...numerics import guarded_pv, two_float
 from ...plan import AttentionPlan
 
@@ -86,7 +86,7 @@ class TileProblem:
         self.tiling = tiling
         self.cdt = plan.compute_dtype
         self.device = q.device
-        self.bias5 = _heads5(plan.bias, plan)
+        self.bias5 = _heads5(plan.pairs.bias, plan)
         # b * H + h with h = hkv * G + g, laid out as the 5-D score tile (dropout's counter).
         self.bh5 = torch.arange(plan.batch * plan.heads, device=q.device).reshape(
             plan.batch, plan.kv_heads, plan.groups, 1, 1
@@ -113,7 +113,7 @@ class TileProblem:
     @functools.cached_property
     def layout(self) -> BlockLayout:
         """The plan's layout for this tiling (built or taken from qkv's cache on first use)."""
-        return layout_for(self.plan, self.tiling.block_q, self.tiling.block_k)
+        return layout_for(self.plan.pairs, self.tiling.block_q, self.tiling.block_k)
 
     def forward_strips(self) -> list[Strip]:
         """Strips of query rows with their runs of keys (the forward's and backward's order)."""
@@ -145,7 +145,7 @@ class TileProblem:
         graph = None
         if p.score_mod is not None:
             x = s5.to(torch.float64, copy=True)  # Q Kᵀ · scale + bias
-            rows = torch.arange(i0, i1, device=self.device).unsqueeze(1) + p.causal_offset
+            rows = torch.arange(i0, i1, device=self.device).unsqueeze(1) + p.pairs.causal_offset
             cols = torch.arange(j0, j1, device=self.device)
             with torch.set_grad_enabled(track):
                 x.requires_grad_(track)
@@ -160,13 +160,9 @@ class TileProblem:
 
     def allowed(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
         """Which pairs of rows i0:i1 and keys j0:j1 may attend (broadcastable to 5-D)."""
-        p = self.plan
         rows = torch.arange(i0, i1, device=self.device).unsqueeze(1)
         cols = torch.arange(j0, j1, device=self.device)
-        return allowed(
-            self.b5, self.h5, rows, cols, q_len=p.q_len, kv_len=p.kv_len, causal=p.causal,
-            rule=p.mask_rule, mask=p.mask,
-        )  # fmt: skip
+        return self.plan.pairs.allowed(self.b5, self.h5, rows, cols)
 
     def keep(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
         """Dropout keep-mask of a tile, `(B, Hkv, G, n, w)` bool."""

@@ -156,7 +156,11 @@ class TritonBackend:
                 f"head dims up to {MAX_HEAD_DIM} are supported, got D={plan.head_dim}, "
                 f"Dv={plan.v_dim}"
             )
-        if plan.bias is not None and plan.bias.requires_grad and torch.is_grad_enabled():
+        if (
+            plan.pairs.bias is not None
+            and plan.pairs.bias.requires_grad
+            and torch.is_grad_enabled()
+        ):
             return "the triton backend does not differentiate a float mask (it requires grad)"
         if plan.score_mod is not None:
             why = _host().unsupported(plan.score_mod)

@@ -192,8 +192,8 @@ def _bank(
         r = (rows_t[c0 : c0 + per].view(-1, 1, 1) * bm + ar_m.view(1, -1, 1)).clamp(max=nq - 1)
         c = (cols_t[c0 : c0 + per].view(-1, 1, 1) * bn + ar_n.view(1, 1, -1)).clamp(max=nk - 1)
         ok = allowed(bi, hi, r[None, None], c[None, None], q_len=nq, kv_len=nk,
-                     causal=plan.causal, rule=plan.mask_rule,
-                     mask=None if plan.mask is None else plan.mask.cpu())  # fmt: skip
+                     causal=plan.pairs.causal, rule=plan.pairs.rule,
+                     mask=None if plan.pairs.mask is None else plan.pairs.mask.cpu())  # fmt: skip
         ok = torch.ones((), dtype=torch.bool) if ok is None else ok
         out[:, :, c0 : c0 + per] = torch.broadcast_to(ok, (Bl, Hl, r.shape[0], bm, bn)).to(
             device, torch.int8
@@ -203,13 +203,13 @@ def _bank(
 
 def build_layout(plan: AttentionPlan, bm: int, bn: int, device: torch.device) -> Layout:
     """The tile lists and bank of a plan for `bm × bn` tiles (see `Layout`)."""
-    lay = layout_for(plan, bm, bn)
+    lay = layout_for(plan.pairs, bm, bn)
     nk = plan.kv_len
     nkb = lay.shape[1]
     full = lay.full.clone()
     if nk % bn and nkb:  # the last key tile runs past Nk: it needs the bounds check
         full[lay.col == nkb - 1] = False
-    rule, mask = plan.mask_rule, plan.mask
+    rule, mask = plan.pairs.rule, plan.pairs.mask
     Bl = max(rule.batch or 1 if rule is not None else 1, mask.shape[0] if mask is not None else 1)
     Hl = max(rule.heads or 1 if rule is not None else 1, mask.shape[1] if mask is not None else 1)
     code = torch.full((Bl, Hl, lay.nnz), -1, dtype=torch.int32)
@@ -237,11 +237,11 @@ def build_layout(plan: AttentionPlan, bm: int, bn: int, device: torch.device) ->
 def layout_for_device(plan: AttentionPlan, bm: int, bn: int, device: torch.device) -> Layout:
     """`build_layout`, from qkv's cache: per Mask object (held weakly) for structured masks, by
     shape for plain/causal problems; never for bool mask tensors (their content may change)."""
-    if plan.mask is not None:
+    if plan.pairs.mask is not None:
         return build_layout(plan, bm, bn, device)
-    key = ("triton-layout", plan.q_len, plan.kv_len, bm, bn, plan.causal, str(device))
+    key = ("triton-layout", plan.q_len, plan.kv_len, bm, bn, plan.pairs.causal, str(device))
     key += (plan.batch, plan.heads)
-    return CACHE.get(key, lambda: build_layout(plan, bm, bn, device), owner=plan.mask_rule)
+    return CACHE.get(key, lambda: build_layout(plan, bm, bn, device), owner=plan.pairs.rule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,8 +291,8 @@ class Call:
         self._bwd_layout: Layout | None = None
         self.dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
         self.bias = None
-        if plan.bias is not None:
-            self.bias = plan.bias.expand(plan.batch, plan.heads, plan.q_len, plan.kv_len)
+        if plan.pairs.bias is not None:
+            self.bias = plan.pairs.bias.expand(plan.batch, plan.heads, plan.q_len, plan.kv_len)
         self.slopes = self.table = None
         if spec is not None and spec.slopes is not None:
             self.slopes = spec.slopes.to(device=q.device, dtype=torch.float32).contiguous()
@@ -339,7 +339,7 @@ class Call:
             D_PAD=self.d_pad,
             DV=plan.v_dim,
             DV_PAD=self.dv_pad,
-            CAUSAL=plan.causal,
+            CAUSAL=plan.pairs.causal,
             HAS_BIAS=self.bias is not None,
             ALIBI=spec.alibi if spec is not None else 0,
             REL_POS=spec.rel if spec is not None else 0,

@@ -1,0 +1,86 @@
+"""Which (query, key) pairs may attend: the one description of a problem's masking.
+
+A `Pairs` holds what the caller asked for — the causal flag (bottom-right aligned), a structured
+`qkv.masks.Mask`, a bool or float mask tensor, a `BlockLayout` passed as the mask — for an
+Nq × Nk problem, validated once by `qkv.plan.make_plan` and carried by the plan as
+`plan.pairs`. Every consumer reads it: `qkv.layout.layout_for(pairs, ...)` builds the kept
+tiles from it, the reference and sdpa backends take its dense mask (`dense`), received
+attention asks it about a band (`allowed`), and the custom ops carry it as named arguments
+(`op_args` / `from_op`). The rule itself is written once, in `qkv.layout.allowed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from .cache import handle, lookup
+from .layout import BlockLayout, allowed, dense_allowed
+from .masks import Mask
+
+
+class OpPairs(NamedTuple):
+    """`Pairs` as a custom op's arguments: tensors and numbers (a Mask and a held layout by
+    their `qkv.cache.handle`), in this order, by these names."""
+
+    mask: torch.Tensor | None
+    bias: torch.Tensor | None
+    causal: bool
+    rule: int
+    held: int
+
+
+@dataclass(frozen=True, eq=False)
+class Pairs:
+    """Which pairs of an (Nq × Nk) problem may attend; see the module docstring."""
+
+    q_len: int  # Nq
+    kv_len: int  # Nk
+    causal: bool = False  # bottom-right aligned: query i sees keys j ≤ i + Nk − Nq
+    rule: Mask | None = None  # a structured mask, evaluated tile by tile
+    mask: torch.Tensor | None = None  # bool, 4-D, broadcastable to (B, H, Nq, Nk); True = may
+    bias: torch.Tensor | None = None  # float, 4-D, broadcastable; added to the scaled scores
+    layout: BlockLayout | None = None  # a layout the caller built and passed as the mask
+
+    @property
+    def causal_offset(self) -> int:
+        """Query i may see key j when j ≤ i + causal_offset (bottom-right alignment)."""
+        return self.kv_len - self.q_len
+
+    @property
+    def restricted(self) -> bool:
+        """True when some pair may be excluded from the softmax (a float bias counts: it may
+        hold −inf; decided on metadata, never by reading values)."""
+        return self.causal or any(
+            x is not None for x in (self.mask, self.bias, self.rule, self.layout)
+        )
+
+    def allowed(
+        self, b: torch.Tensor | int, h: torch.Tensor | int, rows: torch.Tensor, cols: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Which pairs (query rows `rows`, keys `cols`) may attend for batch `b` and heads `h`
+        (broadcastable int64 tensors), by the causal flag, the rule and the bool mask; None when
+        nothing restricts them. The float bias is not a yes/no and is left to the caller."""
+        return allowed(
+            b, h, rows, cols, q_len=self.q_len, kv_len=self.kv_len, causal=self.causal,
+            rule=self.rule, mask=self.mask,
+        )  # fmt: skip
+
+    def dense(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """`allowed` over the whole problem, bool `(Bm, Hm, Nq, Nk)`, or None."""
+        return dense_allowed(
+            self.q_len, self.kv_len, causal=self.causal, rule=self.rule, mask=self.mask,
+            device=device,
+        )  # fmt: skip
+
+    def op_args(self) -> OpPairs:
+        """The description as a custom op's arguments (`from_op` rebuilds it)."""
+        return OpPairs(self.mask, self.bias, self.causal, handle(self.rule), handle(self.layout))
+
+    @classmethod
+    def from_op(cls, q_len: int, kv_len: int, args: OpPairs | tuple[Any, ...]) -> Pairs:
+        """The description an op's `OpPairs` arguments carry, for an Nq × Nk problem."""
+        a = OpPairs(*args)
+        return cls(q_len, kv_len, a.causal, lookup(a.rule), a.mask, a.bias, lookup(a.held))
