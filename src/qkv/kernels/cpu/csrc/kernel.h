@@ -287,11 +287,12 @@ static void gemm_acc_f64(int64_t M, int64_t N, int64_t K, const float* A, int64_
 
 // The backward walks key columns outer: the three-part split (tile_pack_rows3) of a query tile's
 // rows is made at the tile's first column of a chunk, in an entry of such a cache, and read by
-// the others. state per entry: 0 not packed, 1 packed, 2 packed with a row the split cannot carry.
+// the others. Each entry's state is a PartsState (PARTS_EMPTY is 0: a zeroed state is empty).
+enum PartsState : int8_t { PARTS_EMPTY = 0, PARTS_PACKED = 1, PARTS_PACKED_BAD_ROW = 2 };
 struct PartsCache {
   uint16_t* parts;  // entry e at parts + e · (its elements)
   int8_t* bad;      // entry e's rows the split cannot carry, at bad + e · bq
-  int8_t* state;
+  int8_t* state;    // entry e's PartsState
 };
 
 struct Buf {
@@ -458,12 +459,12 @@ static bool parts_alloc(PartsCache& c, int64_t n, int64_t elems, int64_t bq) {
 }
 
 // entry e's parts of the nr rows x (K values, ld ldx) times scale, packed at its first use;
-// its state (1, or 2 with a row the split cannot carry)
+// its state (PARTS_PACKED, or PARTS_PACKED_BAD_ROW with a row the split cannot carry)
 static int8_t parts_of(PartsCache& c, int64_t e, int64_t elems, int64_t bq, int64_t nr, int64_t K,
                        const float* x, int64_t ldx, float scale) {
-  if (!c.state[e]) {
+  if (c.state[e] == PARTS_EMPTY) {
     tile_pack_rows3(nr, K, x, ldx, c.parts + e * elems, c.bad + e * bq, scale);
-    c.state[e] = __builtin_memchr(c.bad + e * bq, 1, (size_t)nr) ? 2 : 1;
+    c.state[e] = __builtin_memchr(c.bad + e * bq, 1, (size_t)nr) ? PARTS_PACKED_BAD_ROW : PARTS_PACKED;
   }
   return c.state[e];
 }
@@ -745,11 +746,11 @@ static inline bool tile_v_finite(const Problem& P, const FwdPlan& F, int64_t b, 
                                  int64_t j, const float* vb, int64_t kw, int64_t ldv) {
   int8_t* flag = F.v_finite + (b * P.Hkv + hkv) * P.lay.nkb + j;
   int8_t known = __atomic_load_n(flag, __ATOMIC_RELAXED);
-  if (known < 0) {
-    known = rows_finite(vb, kw, ldv, P.Dvp) ? 1 : 0;
+  if (known == V_TILE_UNKNOWN) {
+    known = rows_finite(vb, kw, ldv, P.Dvp) ? V_TILE_FINITE : V_TILE_NONFINITE;
     __atomic_store_n(flag, known, __ATOMIC_RELAXED);
   }
-  return known == 1;
+  return known == V_TILE_FINITE;
 }
 
 // The spans of 16-key chunks that the rows of a PARTIAL tile attend, per group of 16 rows, into
@@ -828,17 +829,18 @@ static void fwd_key_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t 
   w.kt = w.ktc + slot * P.Dp * BK;
   if (F.kparts && !keep && !need_kr && kw == BK) {
     int32_t* state = F.kstate + tag;
-    int32_t st = __atomic_load_n(state, __ATOMIC_ACQUIRE), idle = 0;
+    int32_t st = __atomic_load_n(state, __ATOMIC_ACQUIRE), idle = KEY_TILE_IDLE;
     uint32_t* parts = F.kparts + tag * tile_b3_elems(P.D);
     // slot 0's kt, rewritten here, no longer matches its parts: w.kt0 names the tile it holds
-    if (st == 0 && __atomic_compare_exchange_n(state, &idle, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    if (st == KEY_TILE_IDLE && __atomic_compare_exchange_n(state, &idle, KEY_TILE_PACKING, false,
+                                                           __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
       pack_key_tile(P, b, hkv, c0, kw, w, parts, F.kmaxv + tag, F.kbadv + tag);
       w.ktag[slot] = -1;
       w.kt0 = tag;
-      __atomic_store_n(state, 2, __ATOMIC_RELEASE);
-      st = 2;
+      __atomic_store_n(state, KEY_TILE_READY, __ATOMIC_RELEASE);
+      st = KEY_TILE_READY;
     }
-    if (st == 2) {  // (another item packing it: this one packs its own below)
+    if (st == KEY_TILE_READY) {  // (another item packing it: this one packs its own below)
       w.kb = parts;
       w.kbad = F.kbadv[tag];
       w.kmax = F.kmaxv[tag];
@@ -1266,8 +1268,8 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       w.slot_of[next_first - t0] = s;
       __builtin_memset(w.pool + s * tile, 0, (size_t)tile * 8);
       if (qpe) {
-        __builtin_memset(w.qc.state + s * gs, 0, (size_t)gs);
-        __builtin_memset(w.dc.state + s * gs, 0, (size_t)gs);
+        __builtin_memset(w.qc.state + s * gs, PARTS_EMPTY, (size_t)gs);
+        __builtin_memset(w.dc.state + s * gs, PARTS_EMPTY, (size_t)gs);
       }
       ++next_first;
     }
@@ -1314,7 +1316,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         // float32 on the tiles: dO Vᵀ as the scores are formed (dO's rows' parts against the V
         // tile's), gemm_dp's float chains, unless the split cannot carry some value of either;
         // bfloat16: dO Vᵀ on the tiles (one float chain over Dv, widened); else gemm_dp
-        if (!exact && dpe && w.vbad == 0 && parts_of(w.dc, ci, dpe, bq, nr, P.Dv, w.dO, Dvp, 1.0f) == 1) {
+        if (!exact && dpe && w.vbad == 0 && parts_of(w.dc, ci, dpe, bq, nr, P.Dv, w.dO, Dvp, 1.0f) == PARTS_PACKED) {
           tile_chain3_f64(nr, P.Dv, w.dc.parts + ci * dpe, w.vb3, w.dp64, BK);
         } else if (!exact && bwd_on_tiles(P) && tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, w.o, BK)) {
           for (int64_t x = 0; x < nr * BK; ++x) w.dp64[x] = (double)w.o[x];

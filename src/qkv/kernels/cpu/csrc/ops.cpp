@@ -442,7 +442,7 @@ void plan_forward(const Problem& P, FwdState& S) {
   F.part_l = S.part_l.data();
   F.part_acc = S.part_acc.data();
   F.mmax = mmax;
-  S.v_finite.assign(BH * L.nkb, -1);
+  S.v_finite.assign(BH * L.nkb, V_TILE_UNKNOWN);
   F.v_finite = S.v_finite.data();
 }
 
@@ -639,7 +639,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   if (const int64_t share = K.fwd_share_elems(P)) {  // the key tiles' parts, packed once per call
     const int64_t tiles = P.B * P.Hkv * P.lay.nkb;
     S.kparts = at::empty({share}, at::TensorOptions().dtype(at::kInt));
-    S.kstate.assign(tiles, 0);
+    S.kstate.assign(tiles, KEY_TILE_IDLE);
     S.kbadv.assign(tiles, 0);
     S.kmaxv.assign(tiles, 0.0);
     S.plan.kparts = (uint32_t*)S.kparts.data_ptr<int32_t>();
