@@ -1,7 +1,8 @@
 // FlashAttention-2, forward and backward, over the kept tiles of a block layout.
 //
-// Included by each isa_*.cpp inside its own namespace, after that ISA's simd_*.h, so the same
-// source becomes one kernel per instruction set. No torch types and no std templates here: every
+// Included by each isa_*.cpp (isa_unit.h) inside its own namespace, after that ISA's SIMD and
+// tile layers, so the same source becomes one kernel per instruction set: it is written against
+// the names isa_contract.h lists. No torch types and no std templates here: every
 // function has internal linkage or lives in the ISA's namespace.
 //
 // Tiles are bq query rows × 64 keys. The forward runs one item per (b, kv head, query tile[,
@@ -34,6 +35,8 @@
 // whole group's live dQ tiles would not stay in cache (GQA over long rows), an item walks its
 // chunk once per few heads of the group, keeping dK_j and dV_j of every column between passes.
 
+#include "isa_contract.h"
+
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
@@ -52,35 +55,6 @@ static inline bool has_nan(const float* row) {
   return nan;
 }
 static const uint32_t GOLDEN = 0x61C88647u;
-
-#ifndef QKV_TILE_BF16
-// No tile unit on this path (tiles_amx.h defines these where there is one): the float
-// micro-kernels run every product.
-static constexpr bool TILE_BF16 = false;
-constexpr int64_t TILE_K_MAX = 0;
-static inline bool tile_gemm(int64_t, int64_t, int64_t, const float*, int64_t, const uint16_t*,
-                             const float*, int64_t, float*, int64_t) {
-  return false;
-}
-static inline int64_t tile_a_elems(int64_t, int64_t) { return 0; }
-static inline void tile_pack_rows(int64_t, int64_t, const float*, int64_t, uint16_t*, float) {}
-constexpr int64_t TILE_PV_N = 0;
-static inline void tile_put_p(V16, V16, uint16_t*, int64_t, int64_t) {}
-static inline void tile_pack_a(int64_t, int64_t, const float*, int64_t, bool, int, uint16_t*) {}
-static inline void tile_acc(int64_t, int64_t, int64_t, const uint16_t*, int, const float*, int64_t,
-                            uint32_t*, double*, int64_t) {}
-static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t, float*,
-                           int64_t, const double*) {}
-static constexpr bool TILE_F32 = false;
-static inline int64_t tile_a3_elems(int64_t, int64_t) { return 0; }
-static inline void tile_pack_rows3(int64_t, int64_t, const float*, int64_t, uint16_t*, int8_t*, float) {}
-static inline bool tile_scale_folds(float) { return false; }
-static inline int64_t tile_b3_elems(int64_t) { return 0; }
-static inline uint64_t tile_pack_keys3(int64_t, const float*, int64_t, uint32_t*) { return 0; }
-static inline void tile_chain3(int64_t, int64_t, int64_t, const uint16_t*, const uint32_t*, int64_t,
-                               float*, int64_t, double, bool) {}
-static inline void tile_chain3_f64(int64_t, int64_t, const uint16_t*, const uint32_t*, double*, int64_t) {}
-#endif
 
 // whether this problem's products run on the tile unit (bfloat16 inputs on a path that has it)
 static inline bool on_tiles(const Problem& P) { return TILE_BF16 && P.dtype == DT_BF16; }

@@ -1,7 +1,5 @@
-// The SIMD layer for AVX2 + FMA + F16C (see simd_avx512.h for what each name means). V16 is a
-// pair of 8-float registers; lane masks are all-ones lanes.
-
-#define QKV_ISA_NAME "avx2"
+// The SIMD layer for AVX2 + FMA + F16C: the names isa_contract.h lists, for the avx2 path. V16 is
+// a pair of 8-float registers; lane masks are all-ones lanes.
 
 struct V16 { __m256 a, b; };
 struct M16 { __m256 a, b; };

@@ -1,12 +1,8 @@
-// The SIMD layer for AVX-512 (F, BW, DQ, VL). Included by isa_avx512.cpp inside its namespace,
-// after a target pragma; kernel.h is written against the names defined here.
+// The SIMD layer for AVX-512 (F, BW, DQ, VL): the names isa_contract.h lists, for the avx512
+// and amx paths (isa_avx512.cpp, isa_amx.cpp include it inside their namespace, after a target
+// pragma).
 //
-// V16 is 16 floats (the unit of the elementwise passes: a 64-key tile row is 4 of them), M16 a
-// lane mask, U16 16 uint32 lanes (the dropout hash). gemm() is the register-blocked
-// micro-kernel of the float products (gemm_chain of the chained ones, gemm_acc and gemm_dp the
-// backward's).
-
-#define QKV_ISA_NAME "avx512"
+// V16 is one 16-float register, M16 a 16-bit lane mask, U16 16 uint32 lanes.
 
 struct V16 { __m512 v; };
 struct M16 { __mmask16 k; };

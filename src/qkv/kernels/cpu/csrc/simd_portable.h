@@ -1,9 +1,7 @@
-// The portable SIMD layer: plain C++ over arrays of 16 (see simd_avx512.h for what each name
-// means); the compiler vectorises what it can for the baseline ISA. Without FMA every
-// product-sum is a multiply then an add: results differ from the AVX paths' in the last bits,
-// but within this path the forward and the backward still compute the same scores.
-
-#define QKV_ISA_NAME "portable"
+// The portable SIMD layer: the names isa_contract.h lists, in plain C++ over arrays of 16; the
+// compiler vectorises what it can for the baseline ISA. Without FMA every product-sum is a
+// multiply then an add: results differ from the AVX paths' in the last bits, but within this
+// path the forward and the backward still compute the same scores.
 
 struct V16 { float x[16]; };
 struct M16 { uint32_t k; };

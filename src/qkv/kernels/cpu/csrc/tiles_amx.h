@@ -2,8 +2,8 @@
 // float32 ones. Included by isa_amx.cpp after simd_avx512.h, inside its namespace; kernel.h reads
 // TILE_BF16, tile_gemm (the scores), tile_pack_rows, tile_put_p and tile_pv (the forward's P·V),
 // and for float32 TILE_F32, tile_pack_rows3, tile_pack_keys3 and tile_chain3 (the scores, in
-// three bfloat16 parts per value; below). Without this file (every other ISA) kernel.h's
-// stand-ins say "no tiles" and the float micro-kernels run every product.
+// three bfloat16 parts per value; below): the tile part of isa_contract.h. Every other ISA has
+// tiles_none.h instead, whose stand-ins say "no tiles": the float micro-kernels run every product.
 //
 // A tile product C += A·B takes A as 16 rows × 32 bfloat16 and B as 16 rows of 16 bfloat16
 // pairs (B's rows 2p and 2p + 1 interleaved, the "VNNI" layout) and sums in float32: each
@@ -16,7 +16,6 @@
 // most 2⁻¹⁶ of x.
 // Subnormal inputs and results are flushed to zero by the unit (below 1.2e-38 in magnitude).
 
-#define QKV_TILE_BF16 1
 static constexpr bool TILE_BF16 = true;
 
 // K per tile step and the most K one call takes (longer products use the float kernels)
