@@ -357,21 +357,14 @@ at::Tensor empty_result(at::IntArrayRef size, const at::TensorOptions& opts) {
   return at::empty(size, opts);
 }
 
-int64_t release_results() {
+// The bytes of kept result blocks unmapped (qkv.kernels.cpu.release_cached_results), and kept
 #if defined(__linux__)
-  return ResultMemory::instance().release();
-#else
-  return 0;
+int64_t release_results() { return ResultMemory::instance().release(); }
+int64_t kept_result_bytes() { return ResultMemory::instance().kept_bytes(); }
+#else  // no result memory off Linux: nothing is kept
+int64_t release_results() { return 0; }
+int64_t kept_result_bytes() { return 0; }
 #endif
-}
-
-int64_t kept_result_bytes() {
-#if defined(__linux__)
-  return ResultMemory::instance().kept_bytes();
-#else
-  return 0;
-#endif
-}
 
 // ---------------------------------------------------------------------------- forward plan
 
