@@ -35,7 +35,7 @@ static void write_dq(const Problem& P, int64_t b, int64_t hkv, int64_t g0, int64
 // it as this chunk's partial and, if it is the last one (of every chunk and pass), sum all
 // partials in chunk order and write that
 static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv, int64_t t,
-                     int64_t g0, int64_t g1, const double* acc, Buf& w) {
+                     int64_t g0, int64_t g1, const double* acc, BwdBufs& w) {
   const int64_t bq = P.lay.bq, i = Bp.t_tile[t], r0 = tile_r0(P, i), nr = tile_nr(P, i);
   const int64_t head = bq * P.Dp, tile = P.G * head;
   if (Bp.t_slot[t] < 0) {
@@ -48,7 +48,7 @@ static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv
   const int64_t passes = (P.G + Bp.heads - 1) / Bp.heads;
   const int64_t n = (Bp.q_ptr[i + 1] - Bp.q_ptr[i]) * passes;
   if (__atomic_fetch_add(&Bp.done[key], 1, __ATOMIC_ACQ_REL) + 1 != n) return;
-  double* sum = w.acc;
+  double* sum = w.dq_sum;
   __builtin_memset(sum, 0, (size_t)tile * 8);
   for (int64_t s = Bp.q_ptr[i]; s < Bp.q_ptr[i + 1]; ++s) {
     const double* part = Bp.store + ((Bp.q_slots[s] * P.B + b) * P.Hkv + hkv) * tile;
@@ -61,7 +61,7 @@ static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv
 // where dP needs it, dp_operands), 1/l, m, the ALiBi slope, the position, the mask-bit offset,
 // the dropout hash. The column pass (bwd_item) and the row pass (delta_item) both load rows with
 // it, so the row pass recomputes P and dP from the very same inputs.
-static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r, Buf& w,
+static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r, BwdBufs& w,
                            bool rows_in_place = false) {
   const Layout& L = P.lay;
   const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
@@ -83,7 +83,7 @@ static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, i
 // dP's operands in double, where gemm_dp takes its exact form (`exact`: a query tile holding a
 // peaked row; every tile where the ISA has no float form, DP_FLOAT_CHAINS): the packed column's
 // Vᵀ once per column (vt_ready) and the nr dO rows of the tile.
-static inline void dp_operands(const Problem& P, int64_t nr, bool& vt_ready, Buf& w) {
+static inline void dp_operands(const Problem& P, int64_t nr, bool& vt_ready, BwdBufs& w) {
   if (!vt_ready) {
     for (int64_t x = 0; x < P.Dv * BK; ++x) w.vt64[x] = (double)w.vt[x];
     vt_ready = true;
@@ -98,7 +98,7 @@ static inline void dp_operands(const Problem& P, int64_t nr, bool& vt_ready, Buf
 // bf16's 2⁻⁹), summed in double across tiles, as their scores and P·V are plain float sums.
 constexpr int64_t ONE_CHAIN = int64_t(1) << 40;
 
-static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf& w) {
+static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, BwdBufs& w) {
   const Layout& L = P.lay;
   const int64_t acc_chain = P.dtype == DT_F32 ? ACC_CHAIN : ONE_CHAIN;
   const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, c = it.c;
@@ -107,37 +107,9 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
   // heads g0 … g1 − 1 per pass over the chunk; dK_j, dV_j of its columns kept between passes
   const int64_t gs = Bp.heads, tile = gs * bq * Dp, live = Bp.chunk_live[c];
   const int64_t kvs = BK * (Dp + Dvp), kv_need = gs < G ? (j1 - j0) * kvs : 0;
-  if (kv_need > w.dkv_cap) {
-    free(w.dkv);
-    w.dkv = (double*)alloc64(kv_need * 8 + 64);
-    w.dkv_cap = w.dkv ? kv_need : 0;
-    if (!w.dkv) return false;
-  }
-  const int64_t pool_need = imax(live * tile, 1);  // D = 0: a tile of no doubles, a real pool
-  if (pool_need > w.pool_cap) {
-    free(w.pool);
-    w.pool = (double*)alloc64(pool_need * 8 + 64);
-    w.pool_cap = w.pool ? pool_need : 0;
-    if (!w.pool) return false;
-  }
   const int64_t qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
-  const int64_t dpe = w.vb3 ? tile_a3_elems(bq, P.Dv) : 0;               // … of dO's rows
-  if (qpe && live * gs > w.parts_cap) {
-    const bool ok = parts_alloc(w.qc, live * gs, qpe, bq) && parts_alloc(w.dc, live * gs, imax(dpe, 1), bq);
-    w.parts_cap = ok ? live * gs : 0;
-    if (!ok) return false;
-  }
-  if (imax(t1 - t0, live) > w.slot_cap) {
-    free(w.slot_of);
-    free(w.free_slots);
-    w.slot_cap = imax(t1 - t0, live);
-    w.slot_of = (int32_t*)malloc((size_t)w.slot_cap * 4);
-    w.free_slots = (int32_t*)malloc((size_t)w.slot_cap * 4);
-    if (!w.slot_of || !w.free_slots) {
-      w.slot_cap = 0;
-      return false;
-    }
-  }
+  const int64_t dpe = w.f32.vb3 ? tile_a3_elems(bq, P.Dv) : 0;          // … of dO's rows
+  if (!bwd_reserve(w, kv_need, live, tile, gs, qpe, dpe, bq, t1 - t0)) return false;
   const double scale = P.mods.scale64;
   const bool cap = P.mods.cap != 0.0f;
   const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
@@ -159,8 +131,8 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
       w.slot_of[next_first - t0] = s;
       __builtin_memset(w.pool + s * tile, 0, (size_t)tile * 8);
       if (qpe) {
-        __builtin_memset(w.qc.state + s * gs, PARTS_EMPTY, (size_t)gs);
-        __builtin_memset(w.dc.state + s * gs, PARTS_EMPTY, (size_t)gs);
+        __builtin_memset(w.f32.qc.state + s * gs, PARTS_EMPTY, (size_t)gs);
+        __builtin_memset(w.f32.dc.state + s * gs, PARTS_EMPTY, (size_t)gs);
       }
       ++next_first;
     }
@@ -196,10 +168,10 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         }
         const int64_t ci = qpe ? w.slot_of[Bp.local[e]] * gs + g - g0 : 0;  // the caches' entry
         if (qpe) {  // the rows' parts, for the scores
-          parts_of(w.qc, ci, qpe, bq, nr, P.D, w.q, Dp, tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
-          w.qa = w.qc.parts + ci * qpe;
-          w.qbad = w.qc.bad + ci * bq;
-          w.qa_on = true;
+          parts_of(w.f32.qc, ci, qpe, bq, nr, P.D, w.q, Dp, tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
+          w.tile.qa = w.f32.qc.parts + ci * qpe;
+          w.tile.qbad = w.f32.qc.bad + ci * bq;
+          w.tile.qa_on = true;
         }
         tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
         exact_rows(P, nr, w.kr, Dp, kw, w);
@@ -207,8 +179,8 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         // float32 on the tiles: dO Vᵀ as the scores are formed (dO's rows' parts against the V
         // tile's), gemm_dp's float chains, unless the split cannot carry some value of either;
         // bfloat16: dO Vᵀ on the tiles (one float chain over Dv, widened); else gemm_dp
-        if (!exact && dpe && w.vbad == 0 && parts_of(w.dc, ci, dpe, bq, nr, P.Dv, w.dO, Dvp, 1.0f) == PARTS_PACKED) {
-          tile_chain3_f64(nr, P.Dv, w.dc.parts + ci * dpe, w.vb3, w.dp64, BK);
+        if (!exact && dpe && w.f32.vbad == 0 && parts_of(w.f32.dc, ci, dpe, bq, nr, P.Dv, w.dO, Dvp, 1.0f) == PARTS_PACKED) {
+          tile_chain3_f64(nr, P.Dv, w.f32.dc.parts + ci * dpe, w.f32.vb3, w.dp64, BK);
         } else if (!exact && bwd_on_tiles(P) && tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, w.o, BK)) {
           for (int64_t x = 0; x < nr * BK; ++x) w.dp64[x] = (double)w.o[x];
         } else {
@@ -249,10 +221,10 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
           gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, dv64, Dvp);
           gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, dk64, Dp);
         } else if (bwd_on_tiles(P)) {  // Pᵀ and dSᵀ in two parts (keys ≥ kw: P = dS = 0)
-          tile_pack_a(BK, nr, w.p, BK, true, 2, w.ta);
-          tile_acc(BK, Dvp, nr, w.ta, 2, w.dO, Dvp, w.tb, dv64, Dvp);
-          tile_pack_a(BK, nr, w.ds, BK, true, 2, w.ta);
-          tile_acc(BK, Dp, nr, w.ta, 2, w.q, Dp, w.tb, dk64, Dp);
+          tile_pack_a(BK, nr, w.p, BK, true, 2, w.bf16.ta);
+          tile_acc(BK, Dvp, nr, w.bf16.ta, 2, w.dO, Dvp, w.bf16.tb, dv64, Dvp);
+          tile_pack_a(BK, nr, w.ds, BK, true, 2, w.bf16.ta);
+          tile_acc(BK, Dp, nr, w.bf16.ta, 2, w.q, Dp, w.bf16.tb, dk64, Dp);
         } else {
           gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, dv64, Dvp, w.o, acc_chain);
           gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, dk64, Dp, w.o, acc_chain);
@@ -260,8 +232,8 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
         if (P.exact_dq) {
           gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + (g - g0) * bq * Dp, Dp);
         } else if (bwd_on_tiles(P)) {
-          tile_pack_a(nr, BK, w.ds, BK, false, 2, w.ta);
-          tile_acc(nr, Dp, BK, w.ta, 2, w.kr, Dp, w.tb, qacc + (g - g0) * bq * Dp, Dp);
+          tile_pack_a(nr, BK, w.ds, BK, false, 2, w.bf16.ta);
+          tile_acc(nr, Dp, BK, w.bf16.ta, 2, w.kr, Dp, w.bf16.tb, qacc + (g - g0) * bq * Dp, Dp);
         } else {
           gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + (g - g0) * bq * Dp, Dp, w.o, acc_chain);
         }
@@ -304,7 +276,7 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Buf
 // key column in bwd_item.
 static const double PEAKED = 0.5;
 
-static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf& w) {
+static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, BwdBufs& w) {
   const Layout& L = P.lay;
   const int64_t G = P.G, bq = L.bq, r0 = tile_r0(P, i), nr = tile_nr(P, i);
   bool peaked = false;
@@ -330,8 +302,8 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
   const int64_t Dp = P.Dp, code_stride = L.bm * L.hm * bq;
   const V16 one = v_set(1.0f), zero = v_set(0.0f);
   const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
-  double* sp = w.l;       // Σ_j P_ij, per row of the G heads
-  double* spd = w.alpha;  // Σ_j P_ij dP̃_ij
+  double* sp = w.sum_p;     // Σ_j P_ij, per row of the G heads
+  double* spd = w.sum_pdp;  // Σ_j P_ij dP̃_ij
   for (int64_t R = 0; R < G * nr; ++R) sp[R] = spd[R] = 0.0;
   for (int64_t e = L.row_ptr[i]; e < L.row_ptr[i + 1]; ++e) {
     const int64_t j = L.col_idx[e], code = L.code[e], c0 = tile_c0(P, j), kw = tile_kw(P, j);
@@ -387,33 +359,19 @@ static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, Buf&
 }
 
 static void delta_worker(const Problem& P, ItemQueue* items, int32_t* error) {
-  Buf w;
-  if (!buf_alloc(w, P, imax(P.lay.bq, P.G * P.lay.bq))) {
-    __atomic_store_n(error, 1, __ATOMIC_RELAXED);
-    return;
-  }
-  for (const int me = queue_join(*items);;) {
-    const int64_t k = queue_take(*items, me);
-    if (k < 0) break;
+  BwdBufs w;
+  if (!bwd_alloc(w, P, imax(P.lay.bq, P.G * P.lay.bq))) return fail(error);
+  take_items(items, error, [&](int64_t k) {
     const int64_t i = k % P.lay.nqb, bh = k / P.lay.nqb;
     delta_item(P, bh / P.Hkv, bh % P.Hkv, i, w);
-  }
-  buf_free(w);
+    return true;
+  });
+  bwd_free(w);
 }
 
 static void backward_worker(const Problem& P, const BwdPlan& Bp, ItemQueue* items, int32_t* error) {
-  Buf w;
-  if (!buf_alloc(w, P, imax(P.lay.bq, P.G * P.lay.bq))) {
-    __atomic_store_n(error, 1, __ATOMIC_RELAXED);
-    return;
-  }
-  for (const int me = queue_join(*items);;) {
-    const int64_t k = queue_take(*items, me);
-    if (k < 0) break;
-    if (!bwd_item(P, Bp, Bp.items[k], w)) {
-      __atomic_store_n(error, 1, __ATOMIC_RELAXED);
-      break;
-    }
-  }
-  buf_free(w);
+  BwdBufs w;
+  if (!bwd_alloc(w, P, imax(P.lay.bq, P.G * P.lay.bq))) return fail(error);
+  take_items(items, error, [&](int64_t k) { return bwd_item(P, Bp, Bp.items[k], w); });
+  bwd_free(w);
 }

@@ -74,7 +74,7 @@ static inline bool tile_v_finite(const Problem& P, const FwdPlan& F, int64_t b, 
 // The spans of 16-key chunks that the rows of a PARTIAL tile attend, per group of 16 rows, into
 // w.glo / w.ghi (lo > hi: none): the group size, 16, or M when every group spans every chunk
 static int64_t group_spans(const Problem& P, int64_t code, uint64_t edge, int64_t n_chains,
-                           int64_t M, Buf& w) {
+                           int64_t M, FwdBufs& w) {
   const Layout& L = P.lay;
   const uint64_t* bits = L.bits + code * (L.bm * L.hm * L.bq);
   bool narrow = false;
@@ -89,7 +89,7 @@ static int64_t group_spans(const Problem& P, int64_t code, uint64_t edge, int64_
   return narrow ? 16 : M;
 }
 
-static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf& w) {
+static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, FwdBufs& w) {
   const Layout& L = P.lay;
   const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, i = it.i;
   const int64_t r0 = tile_r0(P, i), nr = tile_nr(P, i), M = G * nr;
@@ -108,30 +108,30 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
   }
   // the tile unit reads the item's Q rows as A tiles for every key tile: packed once here
-  w.qa_on = (on_tiles(P) && !P.dot_scores && P.D <= TILE_K_MAX) || scores_on_tiles(P);
+  w.tile.qa_on = (on_tiles(P) && !P.dot_scores && P.D <= TILE_K_MAX) || scores_on_tiles(P);
   // (bfloat16: scaled, where the scale is a power of two: q·k·2ᵉ rounds as (q·k)·2ᵉ does)
   int scale_exp = 0;
-  w.qa_scaled = on_tiles(P) && w.qa_on && __builtin_frexpf(P.mods.scale, &scale_exp) == 0.5f;
-  w.qbad_any = false;
+  w.tile.qa_scaled = on_tiles(P) && w.tile.qa_on && __builtin_frexpf(P.mods.scale, &scale_exp) == 0.5f;
+  w.tile.qbad_any = false;
   if (scores_on_tiles(P)) {
-    tile_pack_rows3(M, P.D, w.q, Dp, w.qa, w.qbad, tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
-    for (int64_t R = 0; R < M; ++R) w.qbad_any = w.qbad_any || w.qbad[R];
+    tile_pack_rows3(M, P.D, w.q, Dp, w.tile.qa, w.tile.qbad, tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
+    for (int64_t R = 0; R < M; ++R) w.tile.qbad_any = w.tile.qbad_any || w.tile.qbad[R];
   }
-  else if (w.qa_on)
-    tile_pack_rows(M, P.D, w.q, Dp, w.qa, w.qa_scaled ? P.mods.scale : 1.0f);
+  else if (w.tile.qa_on)
+    tile_pack_rows(M, P.D, w.q, Dp, w.tile.qa, w.tile.qa_scaled ? P.mods.scale : 1.0f);
   __builtin_memset(w.acc, 0, (size_t)(M * Dvp) * 8);
   // bfloat16 on the tile unit: P·V adds into a float accumulator held by the tiles (its sums
   // of ≤ 4096 keys round at 2⁻²⁴ per add, far below the output's bfloat16 rounding), moved to
   // acc at the end or at the first key tile whose V is not all finite
   bool tiles_pv = on_tiles(P) && Dvp <= TILE_PV_N;
-  if (tiles_pv) __builtin_memset(w.accf, 0, (size_t)((M + 15) / 16 * 16 * Dvp) * 4);
+  if (tiles_pv) __builtin_memset(w.bf16.accf, 0, (size_t)((M + 15) / 16 * 16 * Dvp) * 4);
   auto accf_to_acc = [&] {
-    for (int64_t x = 0; x < M * Dvp; ++x) w.acc[x] = (double)w.accf[x];
+    for (int64_t x = 0; x < M * Dvp; ++x) w.acc[x] = (double)w.bf16.accf[x];
   };
   // bfloat16 on the tile unit: each row's l kept in 16 float lanes (l = l·α + P's lanes, no
   // horizontal sum per tile; float sums round at 2⁻²⁴, far below the output's rounding), summed
   // in double at the end
-  if (on_tiles(P)) __builtin_memset(w.lv, 0, (size_t)(M * 16) * 4);
+  if (on_tiles(P)) __builtin_memset(w.bf16.lv, 0, (size_t)(M * 16) * 4);
   const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
   for (int64_t e = it.e0; e < it.e1; ++e) {
     const int64_t j = L.col_idx[e], code = L.code[e], c0 = tile_c0(P, j), kw = tile_kw(P, j);
@@ -158,7 +158,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       vb = (const float*)row_of(P.v, P.dtype, b, hkv, c0);
       ldv = P.v.sn;
     } else {
-      pack_v(P, b, hkv, c0, kw, w, false, false);
+      pack_v(P, b, hkv, c0, kw, w, false, nullptr);
       vb = w.vr;
       ldv = Dvp;
     }
@@ -185,7 +185,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     // P (keys 16q … 16q+31, q even) as the tiles read it (rounded to bfloat16) or as floats
     auto put_p = [&](int64_t R, int64_t q, V16 x0, V16 x1) {
       if (tiles_p) {
-        tile_put_p(x0, x1, w.pa, R, q);
+        tile_put_p(x0, x1, w.bf16.pa, R, q);
       } else {
         v_store(w.p + R * BK + 16 * q, x0);
         v_store(w.p + R * BK + 16 * q + 16, x1);
@@ -234,8 +234,8 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
       const double alpha =
           mold == mnew ? 1.0 : (mold == NEG_INF ? 0.0 : __builtin_exp((double)mold - (double)mnew));
       if (on_tiles(P)) {
-        const V16 lr = v_load(w.lv + 16 * R);
-        v_store(w.lv + 16 * R, alpha == 1.0 ? v_add(lr, sum) : v_fma(lr, v_set((float)alpha), sum));
+        const V16 lr = v_load(w.bf16.lv + 16 * R);
+        v_store(w.bf16.lv + 16 * R, alpha == 1.0 ? v_add(lr, sum) : v_fma(lr, v_set((float)alpha), sum));
       } else {
         w.l[R] = w.l[R] * alpha + (double)v_hsum(sum);
       }
@@ -244,7 +244,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
     }
     // P V in float chains of PV_CHAIN keys (a whole tile; 16 portable), summed in double
     if (tiles_p) {  // the tiles add P V over the whole tile (P = 0 outside the groups' spans)
-      tile_pv(M, Dvp, kw, w.pa, vb, ldv, w.accf, Dvp, w.alpha);
+      tile_pv(M, Dvp, kw, w.bf16.pa, vb, ldv, w.bf16.accf, Dvp, w.alpha);
       continue;
     }
     if (tiles_pv) {  // from here on the float kernels, which skip P = 0 exactly
@@ -272,7 +272,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
   if (on_tiles(P))
     for (int64_t R = 0; R < M; ++R) {
       double l = 0.0;
-      for (int64_t x = 0; x < 16; ++x) l += (double)w.lv[16 * R + x];
+      for (int64_t x = 0; x < 16; ++x) l += (double)w.bf16.lv[16 * R + x];
       w.l[R] = l;
     }
   const int64_t key = (b * P.Hkv + hkv) * L.nqb + i;
@@ -316,21 +316,15 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, Buf&
 }
 
 static void forward_worker(const Problem& P, const FwdPlan& F, ItemQueue* items, int32_t* error) {
-  Buf w;
-  if (!buf_alloc(w, P, F.mmax)) {
-    __atomic_store_n(error, 1, __ATOMIC_RELAXED);
-    return;
+  FwdBufs w;
+  if (!fwd_alloc(w, P, F.mmax)) {
+    fwd_free(w);
+    return fail(error);
   }
-  if (!P.dot_scores && !ktc_alloc(w, P)) {
-    __atomic_store_n(error, 1, __ATOMIC_RELAXED);
-    buf_free(w);
-    return;
-  }
-  for (const int me = queue_join(*items);;) {
-    const int64_t k = queue_take(*items, me);
-    if (k < 0) break;
+  take_items(items, error, [&](int64_t k) {
     fwd_item(P, F, F.items[k], w);
-  }
+    return true;
+  });
   if (P.stream_out) stream_fence();  // the output's non-temporal stores, before the call returns
-  buf_free(w);
+  fwd_free(w);
 }

@@ -56,6 +56,22 @@ static inline void* alloc64(int64_t bytes) {
 }
 static const float NEG_INF = -__builtin_inff();
 
+// A worker's part of a call (Kernels): each item it takes from the queue to run(k) until none is
+// left; run returns false, or a worker's buffers could not be had (fail), when out of memory:
+// *error is set and the worker stops.
+static void fail(int32_t* error) { __atomic_store_n(error, 1, __ATOMIC_RELAXED); }
+template <class Run>
+static void take_items(ItemQueue* items, int32_t* error, const Run& run) {
+  for (const int me = queue_join(*items);;) {
+    const int64_t k = queue_take(*items, me);
+    if (k < 0) break;
+    if (!run(k)) {
+      fail(error);
+      break;
+    }
+  }
+}
+
 // whether this problem's products run on the tile unit (bfloat16 inputs on a path that has it)
 static inline bool on_tiles(const Problem& P) { return TILE_BF16 && P.dtype == DT_BF16; }
 // whether its backward's products run on the tile unit too (bfloat16: dP, dV, dK and dQ)

@@ -4,8 +4,8 @@
 
 // K rows c0 … c0+kw−1 of (b, hkv) → kr (64 × Dp, zero rows past kw) and kt = krᵀ (Dp × 64).
 // Without `need_kr` (the forward), a whole float32 tile is transposed from the tensor itself.
-static void pack_k(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw, Buf& w,
-                   bool sanitize, bool need_kr) {
+static void pack_k(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw,
+                   StepBufs& w, bool sanitize, bool need_kr) {
   const int64_t Dp = P.Dp;
   if (!need_kr && !sanitize && P.dtype == DT_F32 && kw == BK && P.D == Dp) {
     const float* src = (const float*)row_of(P.k, P.dtype, b, hkv, c0);
@@ -25,20 +25,20 @@ static void pack_k(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t
     for (int64_t j0 = 0; j0 < BK; j0 += 16) transpose16(w.kr + j0 * Dp + d0, Dp, w.kt + d0 * BK + j0, BK);
 }
 
-// V rows → vr (kw × Dvp, zero-padded columns); with transpose also vt = vrᵀ (Dvp × 64)
-static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw, Buf& w,
-                   bool sanitize, bool transpose) {
+// V rows → vr (kw × Dvp, zero-padded columns); with vt (the backward's) also vt = vrᵀ (Dvp × 64)
+static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw,
+                   StepBufs& w, bool sanitize, float* vt) {
   const int64_t Dvp = P.Dvp;
   for (int64_t j = 0; j < kw; ++j) {
     float* dst = w.vr + j * Dvp;
     load_row(row_of(P.v, P.dtype, b, hkv, c0 + j), P.dtype, P.Dv, Dvp, dst);
     if (sanitize) sanitize_row(dst, P.Dv);
   }
-  if (!transpose) return;
+  if (!vt) return;
   for (int64_t j = kw; j < BK; ++j)
     for (int64_t d = 0; d < Dvp; ++d) w.vr[j * Dvp + d] = 0.0f;
   for (int64_t d0 = 0; d0 < Dvp; d0 += 16)
-    for (int64_t j0 = 0; j0 < BK; j0 += 16) transpose16(w.vr + j0 * Dvp + d0, Dvp, w.vt + d0 * BK + j0, BK);
+    for (int64_t j0 = 0; j0 < BK; j0 += 16) transpose16(w.vr + j0 * Dvp + d0, Dvp, vt + d0 * BK + j0, BK);
 }
 
 // the largest |k_j| of a packed key tile kt (Dp × BK, columns j < kw), non-finite entries
@@ -72,6 +72,15 @@ static int64_t fwd_share_elems(const Problem& P) {
   return long_rows && elems * 4 <= KSHARE_MAX_BYTES ? elems : 0;
 }
 
+// key tile j (rows c0 …) into w.kt, its largest key norm into *kmax and its three parts (scores
+// on the tiles) into parts; the keys the split cannot carry into *kbad
+static void pack_key_tile(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw,
+                          StepBufs& w, uint32_t* parts, double* kmax, uint64_t* kbad) {
+  pack_k(P, b, hkv, c0, kw, w, false, false);
+  *kmax = P.precise_scores ? key_norm_max(P, w.kt, kw) : 0.0;
+  if (scores_on_tiles(P)) *kbad = tile_pack_keys3(P.D, w.kt, BK, parts);
+}
+
 // Point w.kt at key tile j of (b, hkv), packed, and set w.kmax (precise scores). With `need_kr`
 // (exact rows read the tile's rows from w.kr) the tile is packed afresh and its slot not kept.
 // Without `keep` (an item whose row spans more tiles than the slots: walked in order, each tile
@@ -80,65 +89,57 @@ static int64_t fwd_share_elems(const Problem& P) {
 // forward's time, pairs of calls, 2 cores, Zen 3); with the call's store (F.kparts) the first
 // item to reach a tile packs its parts there and the others read them (w.kt, then, holds the
 // tile only where gemm_chain needs it: keys or rows the split cannot carry).
-// key tile j (rows c0 …) into w.kt, its largest key norm into *kmax and its three parts (scores
-// on the tiles) into parts; the keys the split cannot carry into *kbad
-static void pack_key_tile(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw, Buf& w,
-                          uint32_t* parts, double* kmax, uint64_t* kbad) {
-  pack_k(P, b, hkv, c0, kw, w, false, false);
-  *kmax = P.precise_scores ? key_norm_max(P, w.kt, kw) : 0.0;
-  if (scores_on_tiles(P)) *kbad = tile_pack_keys3(P.D, w.kt, BK, parts);
-}
-
 static void fwd_key_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t hkv, int64_t j,
-                         int64_t c0, int64_t kw, bool need_kr, Buf& w, bool keep = true) {
+                         int64_t c0, int64_t kw, bool need_kr, FwdBufs& w, bool keep = true) {
+  KeyTileStore& s = w.keys;
   const int64_t tag = (b * P.Hkv + hkv) * P.lay.nkb + j, slot = keep ? j % KT_SLOTS : 0;
-  w.kt = w.ktc + slot * P.Dp * BK;
+  w.kt = s.kt + slot * P.Dp * BK;
   if (F.kparts && !keep && !need_kr && kw == BK) {
     int32_t* state = F.kstate + tag;
     int32_t st = __atomic_load_n(state, __ATOMIC_ACQUIRE), idle = KEY_TILE_IDLE;
     uint32_t* parts = F.kparts + tag * tile_b3_elems(P.D);
-    // slot 0's kt, rewritten here, no longer matches its parts: w.kt0 names the tile it holds
+    // slot 0's kt, rewritten here, no longer matches its parts: s.slot0 names the tile it holds
     if (st == KEY_TILE_IDLE && __atomic_compare_exchange_n(state, &idle, KEY_TILE_PACKING, false,
                                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
       pack_key_tile(P, b, hkv, c0, kw, w, parts, F.kmaxv + tag, F.kbadv + tag);
-      w.ktag[slot] = -1;
-      w.kt0 = tag;
+      s.tag[slot] = -1;
+      s.slot0 = tag;
       __atomic_store_n(state, KEY_TILE_READY, __ATOMIC_RELEASE);
       st = KEY_TILE_READY;
     }
     if (st == KEY_TILE_READY) {  // (another item packing it: this one packs its own below)
-      w.kb = parts;
-      w.kbad = F.kbadv[tag];
+      w.tile.kb = parts;
+      w.tile.kbad = F.kbadv[tag];
       w.kmax = F.kmaxv[tag];
-      if ((w.kbad || w.qbad_any) && w.kt0 != tag) {
+      if ((w.tile.kbad || w.tile.qbad_any) && s.slot0 != tag) {
         pack_k(P, b, hkv, c0, kw, w, false, false);
-        w.ktag[slot] = -1;
-        w.kt0 = tag;
+        s.tag[slot] = -1;
+        s.slot0 = tag;
       }
       return;
     }
   }
-  if (slot == 0) w.kt0 = -1;
-  if (w.ktag[slot] != tag) {
-    pack_key_tile(P, b, hkv, c0, kw, w, scores_on_tiles(P) ? w.kbc + slot * tile_b3_elems(P.D) : nullptr,
-                  w.kmaxc + slot, scores_on_tiles(P) ? w.kbadc + slot : nullptr);
-    w.ktag[slot] = need_kr || !keep ? -1 : tag;
+  if (slot == 0) s.slot0 = -1;
+  if (s.tag[slot] != tag) {
+    pack_key_tile(P, b, hkv, c0, kw, w, scores_on_tiles(P) ? s.parts + slot * tile_b3_elems(P.D) : nullptr,
+                  s.kmax + slot, scores_on_tiles(P) ? s.bad + slot : nullptr);
+    s.tag[slot] = need_kr || !keep ? -1 : tag;
   }
-  w.kmax = w.kmaxc[slot];
+  w.kmax = s.kmax[slot];
   if (scores_on_tiles(P)) {
-    w.kb = w.kbc + slot * tile_b3_elems(P.D);
-    w.kbad = w.kbadc[slot];
+    w.tile.kb = s.parts + slot * tile_b3_elems(P.D);
+    w.tile.kbad = s.bad[slot];
   }
 }
 
 // K_j, V_j of (b, hkv) as the backward reads them: rows and transposed (Vᵀ in double only where
 // dP needs it, dp_operands), and the dropout hashes of their columns.
 static inline void bwd_pack(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t kw,
-                            Buf& w) {
+                            BwdBufs& w) {
   pack_k(P, b, hkv, c0, kw, w, true, true);
-  pack_v(P, b, hkv, c0, kw, w, true, true);
+  pack_v(P, b, hkv, c0, kw, w, true, w.vt);
   if (P.precise_scores && !P.dot_scores) w.kmax = key_norm_max(P, w.kt, kw);
-  if (scores_on_tiles(P)) w.kbad = tile_pack_keys3(P.D, w.kt, BK, w.kb);
-  if (w.vb3) w.vbad = tile_pack_keys3(P.Dv, w.vt, BK, w.vb3);
+  if (scores_on_tiles(P)) w.tile.kbad = tile_pack_keys3(P.D, w.kt, BK, w.tile.kb);
+  if (w.f32.vb3) w.f32.vbad = tile_pack_keys3(P.Dv, w.vt, BK, w.f32.vb3);
   if (P.drop.on) drop_col_hash(P.drop, c0, w.colh);
 }

@@ -34,9 +34,9 @@ constexpr int64_t PREFETCH_ROWS = 48;
 // s[M × N] (ld BK) = round(q · kt · scale) for rows R0 … R0+M−1 of w.q and key columns 16·lo …
 // 16·lo + N − 1 of the packed transposed key tile w.kt, into the same places of w.s: every score
 // the same bits whatever M, N and lo (each product promises it). Float32 scores on the tile unit
-// (scores_on_tiles) take the rows' parts from w.qa (packed once per forward item, else here) and
-// the key tile's from w.kb; rows and keys the split cannot carry get gemm_chain's bits instead.
-static void block_scores(const Problem& P, Buf& w, int64_t R0, int64_t M, int64_t lo, int64_t N) {
+// (scores_on_tiles) take the rows' parts from w.tile.qa (packed once per forward item, else here) and
+// the key tile's from w.tile.kb; rows and keys the split cannot carry get gemm_chain's bits instead.
+static void block_scores(const Problem& P, StepBufs& w, int64_t R0, int64_t M, int64_t lo, int64_t N) {
   const int64_t Dp = P.Dp;
   const float* q = w.q + R0 * Dp;
   const float* kt = w.kt + 16 * lo;
@@ -47,12 +47,12 @@ static void block_scores(const Problem& P, Buf& w, int64_t R0, int64_t M, int64_
       return;
     }
     const bool folded = tile_scale_folds(P.mods.scale);
-    if (!w.qa_on) tile_pack_rows3(M, P.D, q, Dp, w.qa, w.qbad + R0, folded ? P.mods.scale : 1.0f);
-    tile_chain3(M, N, P.D, w.qa_on ? w.qa + tile_a3_elems(R0, P.D) : w.qa, w.kb, lo, s, BK,
+    if (!w.tile.qa_on) tile_pack_rows3(M, P.D, q, Dp, w.tile.qa, w.tile.qbad + R0, folded ? P.mods.scale : 1.0f);
+    tile_chain3(M, N, P.D, w.tile.qa_on ? w.tile.qa + tile_a3_elems(R0, P.D) : w.tile.qa, w.tile.kb, lo, s, BK,
                 P.mods.scale64, folded);
     for (int64_t r = 0; r < M; ++r)
-      if (w.qbad[R0 + r]) gemm_chain(1, N, P.D, q + r * Dp, Dp, kt, BK, s + r * BK, BK, P.mods.scale64);
-    const uint64_t cols = (w.kbad >> (16 * lo)) & (N == BK ? ~0ull : ((1ull << N) - 1));
+      if (w.tile.qbad[R0 + r]) gemm_chain(1, N, P.D, q + r * Dp, Dp, kt, BK, s + r * BK, BK, P.mods.scale64);
+    const uint64_t cols = (w.tile.kbad >> (16 * lo)) & (N == BK ? ~0ull : ((1ull << N) - 1));
     for (int64_t c0 = 0; c0 < N; c0 += 16) {
       const uint64_t u = (cols >> c0) & 0xFFFFull;
       if (!u) continue;
@@ -63,10 +63,10 @@ static void block_scores(const Problem& P, Buf& w, int64_t R0, int64_t M, int64_
     }
     return;
   }
-  const uint16_t* qa = w.qa_on ? w.qa + tile_a_elems(R0, P.D) : nullptr;
+  const uint16_t* qa = w.tile.qa_on ? w.tile.qa + tile_a_elems(R0, P.D) : nullptr;
   const bool tiles = on_tiles(P) && tile_gemm(M, N, P.D, q, Dp, qa, kt, BK, s, BK);
   if (!tiles) gemm(M, N, P.D, q, Dp, 1, kt, BK, s, BK);
-  if (tiles && w.qa_scaled) return;  // the rows came scaled by a power of two: the same bits
+  if (tiles && w.tile.qa_scaled) return;  // the rows came scaled by a power of two: the same bits
   const V16 scale = v_set(P.mods.scale);
   for (int64_t R = 0; R < M; ++R)
     for (int64_t x = 0; x < N; x += 16) v_store(s + R * BK + x, v_mul(v_load(s + R * BK + x), scale));
@@ -84,7 +84,7 @@ static void block_scores(const Problem& P, Buf& w, int64_t R0, int64_t M, int64_
 // double lanes, q64). Which form runs depends on the problem only, so the forward and the
 // backward still compute the same bits.
 static void tile_scores(const Problem& P, int64_t M, const float* q, const double* q64, int64_t ldq,
-                        const float* krows, int64_t ldk, int64_t kw, Buf& w,
+                        const float* krows, int64_t ldk, int64_t kw, StepBufs& w,
                         const float* vpre = nullptr, int64_t ldvp = 0) {
   if (P.dot_scores) {
     for (int64_t j = 0; j < kw; ++j) {
@@ -160,7 +160,7 @@ constexpr double EXACT_BOUND = 32.0;
 // with their low parts. The forward and the backward mark the same rows (the same q, and K
 // read alike).
 static void exact_rows(const Problem& P, int64_t M, const float* krows, int64_t ldk, int64_t kw,
-                       Buf& w) {
+                       StepBufs& w) {
   if (!P.precise_scores) return;
   if (P.dot_scores) {
     for (int64_t r = 0; r < M; ++r) w.exact[r] = 1;
@@ -187,6 +187,6 @@ static void exact_rows(const Problem& P, int64_t M, const float* krows, int64_t 
 }
 
 // row r's low parts of its scores where exp_scores reads them (exact rows, no modifiers), or null
-static inline const float* lo_row(const Problem& P, const Buf& w, int64_t r) {
+static inline const float* lo_row(const Problem& P, const StepBufs& w, int64_t r) {
   return P.score_lo && w.exact[r] ? w.slo + r * BK : nullptr;
 }

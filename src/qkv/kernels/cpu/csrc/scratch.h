@@ -1,4 +1,81 @@
-// Each worker's buffers. Part of kernel.h (compiled once per ISA).
+// Each worker's buffers, by pass. Part of kernel.h (compiled once per ISA).
+//
+//     StepBufs   both passes: a tile step's rows, the packed K and V tile, the scores, and the
+//                tile unit's operands of the scores (TileOperands)
+//     FwdBufs    the forward's own: the running (m, l) and accumulator, the key-tile store
+//                (KeyTileStore) and the bfloat16 tile unit's P·V (FwdBf16)
+//     BwdBufs    the backward's own (column and row pass): dO, dP, dS, dK, dV and the live dQ
+//                tiles, the bfloat16 tile unit's operands (BwdBf16) and the float32 one's
+//                (BwdF32)
+//
+// A worker allocates its pass's buffers once, as one block (carve_block), and frees them when
+// its part of the call ends; the backward grows its pool and caches as its items need
+// (bwd_reserve). `rows`: the most rows a tile step handles (forward G·bq, backward bq, its row
+// pass G·bq).
+
+// The tile unit's operands of a step's scores (amx; unused on the other paths): the step's rows
+// as A tiles (bfloat16: one part, tile_pack_rows; float32: three, tile_pack_rows3) and, float32,
+// the key tile's three parts (tile_pack_keys3).
+struct TileOperands {
+  uint16_t* qa;    // the rows as A tiles
+  bool qa_on;      // qa holds the rows of w.q (packed once per forward item or backward query
+                   // tile; else block_scores packs them)
+  bool qa_scaled;  // bfloat16: … times the scale (a power of two)
+  int8_t* qbad;    // float32: rows of qa the split cannot carry (gemm_chain forms them)
+  bool qbad_any;   // … some row of the forward's item
+  uint32_t* kb;    // float32: the key tile's parts (the forward's: in its slot of the store)
+  uint64_t kbad;   // … its keys the split cannot carry (gemm_chain forms them)
+};
+
+// Both passes: one tile step
+struct StepBufs {
+  char* base;  // the block every pointer below (and the pass's own) is carved from
+  float *q, *kr, *kt, *vr;  // the rows (ld Dp); the key tile's rows and transposed; V's rows
+  float *s, *p, *o, *tmp;   // scores, weights, the products' scratch, a row to store
+  float* slo;    // the scores' low parts (score_lo; finite: zeroed here, written finite)
+  float *mrow, *slope;
+  int64_t *qpos, *bitoff;
+  uint32_t *rowh, *colh;  // the dropout hashes of the rows and of the key tile's columns
+  double* q64;    // precise scores (float32 inputs): Q in double (decoding, exact rows)
+  double* qn;     // precise scores: |q| of each row (exact_rows)
+  double kmax;    // precise scores: the largest |k| of the packed key tile (exact_rows)
+  int8_t* exact;  // per row: this tile's scores formed exactly, with their low parts in slo
+  TileOperands tile;
+};
+
+// The forward's items of one (b, kv head) come in order of their query tiles (plan_forward), so
+// a worker's next item reads most of the key tiles its last one read (a band: all but a few).
+// Each worker keeps its last packed key tiles, slot j mod KT_SLOTS, and packs a tile only when
+// its slot holds another: the same bits, a transposition (and a key_norm_max) saved per hit.
+constexpr int64_t KT_SLOTS = 16;
+struct KeyTileStore {
+  float* kt;        // KT_SLOTS packed key tiles (w.kt points at one of them)
+  int64_t* tag;     // which key tile each slot holds, −1 none
+  double* kmax;     // each slot's key_norm_max
+  int64_t slot0;    // with the call's store (FwdPlan.kparts): the tile slot 0's kt holds, or −1
+  uint32_t* parts;  // float32 on the tile unit: each slot's parts
+  uint64_t* bad;    // … and its keys the split cannot carry
+};
+
+// The forward's P·V of bfloat16 inputs on the tile unit
+struct FwdBf16 {
+  float* accf;   // the P·V accumulator (rows padded to 16)
+  uint16_t* pa;  // P as A tiles (tile_put_p)
+  float* lv;     // the row sums l, 16 lanes a row
+};
+
+struct FwdBufs : StepBufs {
+  double *l, *alpha, *acc;  // the running denominators, rescalings and accumulator (ld Dvp)
+  int8_t *glo, *ghi;  // the first and last 16-key chunk each group of 16 rows computes
+  KeyTileStore keys;
+  FwdBf16 bf16;
+};
+
+// The backward's products of bfloat16 inputs on the tile unit
+struct BwdBf16 {
+  uint16_t* ta;  // Pᵀ, dSᵀ or dS as A tiles (tile_pack_a)
+  uint32_t* tb;  // … the other operand as B tiles (tile_acc)
+};
 
 // The backward walks key columns outer: the three-part split (tile_pack_rows3) of a query tile's
 // rows is made at the tile's first column of a chunk, in an entry of such a cache, and read by
@@ -10,150 +87,165 @@ struct PartsCache {
   int8_t* state;    // entry e's PartsState
 };
 
-struct Buf {
-  char* base;
-  float *q, *kr, *kt, *vr, *vt, *s, *p, *ds, *dfac, *o, *dO, *tmp;
-  float* slo;  // the scores' low parts (score_lo; finite: zeroed here, written finite)
-  float *mrow, *slope;
-  int64_t *qpos, *bitoff;
-  uint32_t *rowh, *colh;
-  double *l, *alpha, *delta, *inv_l, *acc, *dk64, *dv64;
-  double *vt64, *dO64, *dp64;  // backward: Vᵀ, dO and dP in double (dP's sums are exact)
-  double* q64;  // precise scores (float32 inputs): Q in double (decoding, exact rows)
-  double* qn;   // precise scores: |q| of each row (exact_rows)
-  double kmax;  // precise scores: the largest |k| of the packed key tile (exact_rows)
-  int8_t* exact;  // per row: this tile's scores formed exactly, with their low parts in slo
-  double* pool;  // backward: live dQ tiles
-  int64_t pool_cap;
-  double* dkv;   // backward, passes of a few heads: dK_j and dV_j of each column of the chunk
-  int64_t dkv_cap;
-  PartsCache qc, dc;  // backward, float32 on the tiles: Q's rows' parts (the scores) and dO's
-                      // (dP = dO Vᵀ), per pool slot and head of the group
+// The backward's float32 scores and dP on the tile unit
+struct BwdF32 {
+  PartsCache qc, dc;  // Q's rows' parts (the scores) and dO's (dP = dO Vᵀ), per pool slot and
+                      // head of the group
   int64_t parts_cap;  // entries of each
-  uint32_t* vb3;  // backward, float32 on the tiles: the V tile's parts (tile_pack_keys3), dP's
-  uint64_t vbad;  // … its keys the split cannot carry (the tile's dP then on AVX-512)
-  int32_t *slot_of, *free_slots;
-  int64_t slot_cap;
-  int8_t *glo, *ghi;  // forward: the first and last 16-key chunk each group of 16 rows computes
-  float* ktc;         // forward: KT_SLOTS packed key tiles (w.kt points at one of them)
-  int64_t* ktag;      // forward: which key tile each slot holds, −1 none
-  double* kmaxc;      // forward: each slot's key_norm_max
-  float* accf;        // tile unit, bfloat16: the forward's P·V accumulator (rows padded to 16)
-  uint16_t* pa;       // tile unit, bfloat16: the forward's P as A tiles (tile_put_p)
-  uint16_t* qa;       // tile unit: the forward item's Q rows as A tiles (tile_pack_rows; float32:
-                      // three parts, tile_pack_rows3)
-  bool qa_on;         // qa holds the rows of w.q
-  int8_t* qbad;       // tile unit, float32: rows of qa the split cannot carry (gemm_chain forms them)
-  bool qbad_any;      // … some row of the forward's item
-  int64_t kt0;        // forward, the call's key-tile store: the tile slot 0's kt holds, or −1
-  uint32_t* kb;       // tile unit, float32: the packed key tile's three parts (tile_pack_keys3;
-                      // the forward's in its slot of kbc)
-  uint64_t kbad;      // … its keys the split cannot carry (gemm_chain forms them)
-  uint32_t* kbc;      // forward: each kept key-tile slot's parts
-  uint64_t* kbadc;    // forward: each slot's kbad
-  bool qa_scaled;     // … times the scale (a power of two)
-  float* lv;          // tile unit, bfloat16: the forward's row sums l, 16 lanes a row
-  uint16_t* ta;       // tile unit, bfloat16 backward: Pᵀ, dSᵀ or dS as A tiles (tile_pack_a)
-  uint32_t* tb;       // … the other operand as B tiles (tile_acc)
+  uint32_t* vb3;      // the V tile's parts (tile_pack_keys3), dP's; null where Dv is too deep
+  uint64_t vbad;      // … its keys the split cannot carry (the tile's dP then on AVX-512)
 };
 
-static inline char* carve(char*& cur, int64_t bytes) {
-  char* p = cur;
-  cur += (bytes + 63) & ~int64_t(63);
-  return p;
+struct BwdBufs : StepBufs {
+  float *vt, *ds, *dfac, *dO;  // Vᵀ; dS and dt/dx (softcap) of the rows; dO's rows (ld Dvp)
+  double *delta, *inv_l;        // per row: Δ, 1/l
+  double *dk64, *dv64;          // dK_j, dV_j of the column (a pass of all the group's heads)
+  double *vt64, *dO64, *dp64;   // Vᵀ, dO and dP in double (dP's sums are exact)
+  double* dq_sum;               // a query tile's dQ partials summed (flush_dq)
+  double *sum_p, *sum_pdp;      // the row pass: Σ_j P_ij and Σ_j P_ij dP̃_ij per row
+  double* pool;                 // live dQ tiles
+  int64_t pool_cap;
+  double* dkv;  // passes of a few heads: dK_j and dV_j of each column of the chunk
+  int64_t dkv_cap;
+  int32_t *slot_of, *free_slots;  // the pool slot of each touched query tile; the free ones
+  int64_t slot_cap;
+  BwdBf16 bf16;
+  BwdF32 f32;
+};
+
+// One block for a pass's buffers: `lay(c)` takes each buffer from a Carver c, once to count the
+// bytes (c.cur null) and once to carve them, every buffer 64-byte aligned.
+struct Carver {
+  char* cur;
+  int64_t bytes;
+  template <class T>
+  void take(T*& ptr, int64_t n) {
+    ptr = cur ? (T*)(cur + bytes) : nullptr;
+    bytes += ((int64_t)sizeof(T) * n + 63) & ~int64_t(63);
+  }
+};
+template <class Lay>
+static char* carve_block(const Lay& lay) {
+  Carver count{nullptr, 0};
+  lay(count);
+  char* base = (char*)alloc64(count.bytes);
+  if (!base) return nullptr;
+  Carver carve{base, 0};
+  lay(carve);
+  return base;
 }
 
-// rows: most rows a tile step handles (forward G·bq, backward bq)
-static bool buf_alloc(Buf& w, const Problem& P, int64_t rows) {
-  const int64_t Dp = P.Dp, Dvp = P.Dvp, Dm = imax(Dp, Dvp), R = imax(rows, 1);
-  int64_t bytes = 0;
-  const int64_t floats[] = {R * Dp, BK * Dp, Dp * BK, BK * Dvp, Dvp * BK, R * BK, R * BK, R * BK,
-                            R * BK, R * BK, imax(4 * R, BK) * Dm, P.lay.bq * Dvp + 16, Dm + 16, R, R};
-  for (int64_t f : floats) bytes += (f * 4 + 63) & ~int64_t(63);
-  bytes += 2 * ((R * 8 + 63) & ~int64_t(63)) + 2 * ((R * 4 + 63) & ~int64_t(63)) + 256;
-  bytes += 4 * ((R + 63) & ~int64_t(63));
-  const int64_t qa_elems = on_tiles(P) ? tile_a_elems(R, P.D) : scores_on_tiles(P) ? tile_a3_elems(R, P.D) : 0;
-  const int64_t kb_elems = scores_on_tiles(P) ? tile_b3_elems(P.D) : 0;
-  bytes += (kb_elems * 4 + 63) & ~int64_t(63);
-  const int64_t vb_elems = scores_on_tiles(P) && P.Dv <= TILE_K_MAX ? tile_b3_elems(P.Dv) : 0;
-  bytes += (vb_elems * 4 + 63) & ~int64_t(63);
-  bytes += (qa_elems * 2 + 63) & ~int64_t(63);
-  const int64_t accf_elems = on_tiles(P) ? (R + 15) / 16 * 16 * Dvp : 0;
-  bytes += (accf_elems * 4 + 63) & ~int64_t(63);
-  const int64_t lv_elems = on_tiles(P) ? R * 16 : 0;
-  bytes += (lv_elems * 4 + 63) & ~int64_t(63);
-  const int64_t bqa = (R + 31) / 32 * 32;  // the backward's tile rows (bq), to a whole step
-  const int64_t ta_elems = bwd_on_tiles(P) ? 2 * 512 * imax(4 * (bqa / 32), bqa / 16 * 2) : 0;
-  const int64_t tb_elems = bwd_on_tiles(P) ? imax(bqa / 32, 2) * (imax(Dp, Dvp) / 16) * 256 : 0;
-  bytes += ((ta_elems * 2 + 63) & ~int64_t(63)) + ((tb_elems * 4 + 63) & ~int64_t(63));
-  const int64_t pa_elems = on_tiles(P) ? (R + 15) / 16 * 16 * BK : 0;
-  bytes += (pa_elems * 2 + 63) & ~int64_t(63);
-  const int64_t doubles[] = {R, R, R, R, R * Dm, BK * Dp, BK * Dvp, Dvp * BK, R * Dvp, R * BK, R * Dp, R};
-  for (int64_t d : doubles) bytes += (d * 8 + 63) & ~int64_t(63);
-  w.base = (char*)alloc64(bytes);
-  if (!w.base) return false;
-  char* cur = w.base;
-  w.q = (float*)carve(cur, R * Dp * 4);
-  w.kr = (float*)carve(cur, BK * Dp * 4);
-  w.kt = (float*)carve(cur, Dp * BK * 4);
-  w.vr = (float*)carve(cur, BK * Dvp * 4);
-  w.vt = (float*)carve(cur, Dvp * BK * 4);
-  w.s = (float*)carve(cur, R * BK * 4);
-  w.slo = (float*)carve(cur, R * BK * 4);
+// StepBufs' buffers for R rows: taken from c, and (once carved) initialised
+static void step_take(Carver& c, StepBufs& w, const Problem& P, int64_t R) {
+  const int64_t Dp = P.Dp, Dvp = P.Dvp, Dm = imax(Dp, Dvp);
+  c.take(w.q, R * Dp);
+  c.take(w.kr, BK * Dp);
+  c.take(w.kt, Dp * BK);
+  c.take(w.vr, BK * Dvp);
+  c.take(w.s, R * BK);
+  c.take(w.slo, R * BK);
+  c.take(w.p, R * BK);
+  c.take(w.o, imax(4 * R, BK) * Dm);
+  c.take(w.tmp, Dm + 16);
+  c.take(w.mrow, R);
+  c.take(w.slope, R);
+  c.take(w.qpos, R);
+  c.take(w.bitoff, R);
+  c.take(w.rowh, R);
+  c.take(w.colh, BK);
+  c.take(w.q64, R * Dp);
+  c.take(w.qn, R);
+  c.take(w.exact, R);
+  c.take(w.tile.qa, on_tiles(P) ? tile_a_elems(R, P.D) : scores_on_tiles(P) ? tile_a3_elems(R, P.D) : 0);
+  c.take(w.tile.qbad, R);
+}
+static void step_init(StepBufs& w, int64_t R) {
   __builtin_memset(w.slo, 0, (size_t)(R * BK) * 4);
-  w.p = (float*)carve(cur, R * BK * 4);
-  w.ds = (float*)carve(cur, R * BK * 4);
-  w.dfac = (float*)carve(cur, R * BK * 4);
-  w.o = (float*)carve(cur, imax(4 * R, BK) * Dm * 4);
-  w.dO = (float*)carve(cur, (P.lay.bq * Dvp + 16) * 4);
-  w.tmp = (float*)carve(cur, (Dm + 16) * 4);
-  w.mrow = (float*)carve(cur, R * 4);
-  w.slope = (float*)carve(cur, R * 4);
-  w.qpos = (int64_t*)carve(cur, R * 8);
-  w.bitoff = (int64_t*)carve(cur, R * 8);
-  w.rowh = (uint32_t*)carve(cur, R * 4);
-  w.colh = (uint32_t*)carve(cur, BK * 4);
-  w.l = (double*)carve(cur, R * 8);
-  w.alpha = (double*)carve(cur, R * 8);
-  w.delta = (double*)carve(cur, R * 8);
-  w.inv_l = (double*)carve(cur, R * 8);
-  w.acc = (double*)carve(cur, R * Dm * 8);
-  w.dk64 = (double*)carve(cur, BK * Dp * 8);
-  w.dv64 = (double*)carve(cur, BK * Dvp * 8);
-  w.vt64 = (double*)carve(cur, Dvp * BK * 8);
-  w.dO64 = (double*)carve(cur, R * Dvp * 8);
-  w.dp64 = (double*)carve(cur, R * BK * 8);
-  w.q64 = (double*)carve(cur, R * Dp * 8);
-  w.qn = (double*)carve(cur, R * 8);
-  w.exact = (int8_t*)carve(cur, R);
   __builtin_memset(w.exact, 0, (size_t)R);
-  w.glo = (int8_t*)carve(cur, R);
-  w.ghi = (int8_t*)carve(cur, R);
-  w.qa = (uint16_t*)carve(cur, qa_elems * 2);
-  w.kb = (uint32_t*)carve(cur, kb_elems * 4);  // the backward's; the forward's point into kbc
-  w.kbad = 0;
-  w.vb3 = vb_elems ? (uint32_t*)carve(cur, vb_elems * 4) : nullptr;
-  w.vbad = ~0ull;
-  w.qbad = (int8_t*)carve(cur, R);
-  w.accf = (float*)carve(cur, accf_elems * 4);
-  w.lv = (float*)carve(cur, lv_elems * 4);
-  w.ta = (uint16_t*)carve(cur, ta_elems * 2);
-  w.tb = (uint32_t*)carve(cur, tb_elems * 4);
-  w.pa = (uint16_t*)carve(cur, pa_elems * 2);
-  w.qa_on = w.qa_scaled = false;
-  w.pool = nullptr;
-  w.pool_cap = 0;
-  w.dkv = nullptr;
-  w.dkv_cap = 0;
-  w.qc = w.dc = PartsCache{nullptr, nullptr, nullptr};
-  w.parts_cap = 0;
+  w.tile.qa_on = w.tile.qa_scaled = w.tile.qbad_any = false;
+  w.tile.kbad = 0;
+}
+
+// The forward's buffers (rows: G·bq); the key-tile store where the scores use packed key tiles
+static bool fwd_alloc(FwdBufs& w, const Problem& P, int64_t rows) {
+  const int64_t R = imax(rows, 1), Dvp = P.Dvp, Dm = imax(P.Dp, Dvp), R16 = (R + 15) / 16 * 16;
+  w.keys = KeyTileStore{nullptr, nullptr, nullptr, -1, nullptr, nullptr};
+  w.base = carve_block([&](Carver& c) {
+    step_take(c, w, P, R);
+    c.take(w.l, R);
+    c.take(w.alpha, R);
+    c.take(w.acc, R * Dm);
+    c.take(w.glo, R);
+    c.take(w.ghi, R);
+    c.take(w.bf16.accf, on_tiles(P) ? R16 * Dvp : 0);
+    c.take(w.bf16.lv, on_tiles(P) ? R * 16 : 0);
+    c.take(w.bf16.pa, on_tiles(P) ? R16 * BK : 0);
+  });
+  if (!w.base) return false;
+  step_init(w, R);
+  w.tile.kb = nullptr;  // points into the store (fwd_key_tile)
+  if (P.dot_scores) return true;  // decoding reads K in place: no packed key tiles
+  KeyTileStore& s = w.keys;
+  s.kt = (float*)alloc64(KT_SLOTS * P.Dp * BK * 4);
+  s.tag = (int64_t*)malloc(KT_SLOTS * 8);
+  s.kmax = (double*)malloc(KT_SLOTS * 8);
+  if (!s.kt || !s.tag || !s.kmax) return false;
+  if (scores_on_tiles(P)) {
+    s.parts = (uint32_t*)alloc64(KT_SLOTS * tile_b3_elems(P.D) * 4);
+    s.bad = (uint64_t*)malloc(KT_SLOTS * 8);
+    if (!s.parts || !s.bad) return false;
+  }
+  for (int64_t slot = 0; slot < KT_SLOTS; ++slot) s.tag[slot] = -1;
+  return true;
+}
+
+static void fwd_free(FwdBufs& w) {
+  free(w.base);
+  free(w.keys.kt);
+  free(w.keys.tag);
+  free(w.keys.kmax);
+  free(w.keys.parts);
+  free(w.keys.bad);
+}
+
+// The backward's buffers (rows: G·bq, the row pass's; the column pass's steps take bq)
+static bool bwd_alloc(BwdBufs& w, const Problem& P, int64_t rows) {
+  const int64_t R = imax(rows, 1), Dp = P.Dp, Dvp = P.Dvp, Dm = imax(Dp, Dvp);
+  const int64_t kb_elems = scores_on_tiles(P) ? tile_b3_elems(P.D) : 0;
+  const int64_t vb_elems = scores_on_tiles(P) && P.Dv <= TILE_K_MAX ? tile_b3_elems(P.Dv) : 0;
+  const int64_t bqa = (R + 31) / 32 * 32;  // the backward's tile rows (bq), to a whole step
+  const bool bf16 = bwd_on_tiles(P);
+  w.base = carve_block([&](Carver& c) {
+    step_take(c, w, P, R);
+    c.take(w.vt, Dvp * BK);
+    c.take(w.ds, R * BK);
+    c.take(w.dfac, R * BK);
+    c.take(w.dO, P.lay.bq * Dvp + 16);
+    c.take(w.delta, R);
+    c.take(w.inv_l, R);
+    c.take(w.dk64, BK * Dp);
+    c.take(w.dv64, BK * Dvp);
+    c.take(w.vt64, Dvp * BK);
+    c.take(w.dO64, R * Dvp);
+    c.take(w.dp64, R * BK);
+    c.take(w.dq_sum, R * Dm);
+    c.take(w.sum_p, R);
+    c.take(w.sum_pdp, R);
+    c.take(w.tile.kb, kb_elems);
+    c.take(w.f32.vb3, vb_elems);
+    c.take(w.bf16.ta, bf16 ? 2 * 512 * imax(4 * (bqa / 32), bqa / 16 * 2) : 0);
+    c.take(w.bf16.tb, bf16 ? imax(bqa / 32, 2) * (Dm / 16) * 256 : 0);
+  });
+  if (!w.base) return false;
+  step_init(w, R);
+  if (!vb_elems) w.f32.vb3 = nullptr;  // (dP's tiles: none; bwd_pack asks)
+  w.f32.vbad = ~0ull;
+  w.f32.qc = w.f32.dc = PartsCache{nullptr, nullptr, nullptr};
+  w.f32.parts_cap = 0;
+  w.pool = w.dkv = nullptr;
+  w.pool_cap = w.dkv_cap = 0;
   w.slot_of = w.free_slots = nullptr;
   w.slot_cap = 0;
-  w.ktc = nullptr;
-  w.ktag = nullptr;
-  w.kmaxc = nullptr;
-  w.kbc = nullptr;
-  w.kbadc = nullptr;
   return true;
 }
 
@@ -184,38 +276,51 @@ static int8_t parts_of(PartsCache& c, int64_t e, int64_t elems, int64_t bq, int6
   return c.state[e];
 }
 
-static void buf_free(Buf& w) {
+// Room for an item's chunk (bwd_item): dK_j, dV_j of its columns kept between passes of heads
+// (kv_need doubles), `live` dQ tiles of `tile` doubles in the pool, their parts caches (float32
+// on the tiles: qpe and dpe elements an entry, `heads` entries a slot) and the slot lists of its
+// t_count touched query tiles. False when out of memory.
+static bool bwd_reserve(BwdBufs& w, int64_t kv_need, int64_t live, int64_t tile, int64_t heads,
+                        int64_t qpe, int64_t dpe, int64_t bq, int64_t t_count) {
+  if (kv_need > w.dkv_cap) {
+    free(w.dkv);
+    w.dkv = (double*)alloc64(kv_need * 8 + 64);
+    w.dkv_cap = w.dkv ? kv_need : 0;
+    if (!w.dkv) return false;
+  }
+  const int64_t pool_need = imax(live * tile, 1);  // D = 0: a tile of no doubles, a real pool
+  if (pool_need > w.pool_cap) {
+    free(w.pool);
+    w.pool = (double*)alloc64(pool_need * 8 + 64);
+    w.pool_cap = w.pool ? pool_need : 0;
+    if (!w.pool) return false;
+  }
+  if (qpe && live * heads > w.f32.parts_cap) {
+    const bool ok = parts_alloc(w.f32.qc, live * heads, qpe, bq) &&
+                    parts_alloc(w.f32.dc, live * heads, imax(dpe, 1), bq);
+    w.f32.parts_cap = ok ? live * heads : 0;
+    if (!ok) return false;
+  }
+  if (imax(t_count, live) > w.slot_cap) {
+    free(w.slot_of);
+    free(w.free_slots);
+    w.slot_cap = imax(t_count, live);
+    w.slot_of = (int32_t*)malloc((size_t)w.slot_cap * 4);
+    w.free_slots = (int32_t*)malloc((size_t)w.slot_cap * 4);
+    if (!w.slot_of || !w.free_slots) {
+      w.slot_cap = 0;
+      return false;
+    }
+  }
+  return true;
+}
+
+static void bwd_free(BwdBufs& w) {
   free(w.base);
   free(w.pool);
   free(w.dkv);
-  parts_free(w.qc);
-  parts_free(w.dc);
+  parts_free(w.f32.qc);
+  parts_free(w.f32.dc);
   free(w.slot_of);
   free(w.free_slots);
-  free(w.ktc);
-  free(w.ktag);
-  free(w.kmaxc);
-  free(w.kbc);
-  free(w.kbadc);
-}
-
-// The forward's items of one (b, kv head) come in order of their query tiles (plan_forward), so
-// a worker's next item reads most of the key tiles its last one read (a band: all but a few).
-// Each worker keeps its last packed key tiles, slot j mod KT_SLOTS, and packs a tile only when
-// its slot holds another: the same bits, a transposition (and a key_norm_max) saved per hit.
-constexpr int64_t KT_SLOTS = 16;
-
-static bool ktc_alloc(Buf& w, const Problem& P) {
-  w.ktc = (float*)alloc64(KT_SLOTS * P.Dp * BK * 4);
-  w.ktag = (int64_t*)malloc(KT_SLOTS * 8);
-  w.kmaxc = (double*)malloc(KT_SLOTS * 8);
-  if (!w.ktc || !w.ktag || !w.kmaxc) return false;
-  if (scores_on_tiles(P)) {
-    w.kbc = (uint32_t*)alloc64(KT_SLOTS * tile_b3_elems(P.D) * 4);
-    w.kbadc = (uint64_t*)malloc(KT_SLOTS * 8);
-    if (!w.kbc || !w.kbadc) return false;
-  }
-  for (int64_t s = 0; s < KT_SLOTS; ++s) w.ktag[s] = -1;
-  w.kt0 = -1;
-  return true;
 }
