@@ -56,6 +56,10 @@ static inline void* alloc64(int64_t bytes) {
 }
 static const float NEG_INF = -__builtin_inff();
 
+// A named step of an item (fwd_item, bwd_item): inlined where it is called, so that the item
+// compiles as the one function it was written as
+#define QKV_STEP static inline __attribute__((always_inline))
+
 // A worker's part of a call (Kernels): each item it takes from the queue to run(k) until none is
 // left; run returns false, or a worker's buffers could not be had (fail), when out of memory:
 // *error is set and the worker stops.
