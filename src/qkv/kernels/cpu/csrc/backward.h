@@ -92,172 +92,292 @@ static inline void dp_operands(const Problem& P, int64_t nr, bool& vt_ready, Bwd
     for (int64_t d = 0; d < P.Dv; ++d) w.dO64[r * P.Dv + d] = (double)w.dO[r * P.Dvp + d];
 }
 
+// ------------------------------------------------------------------------- one item, by steps
+//
+// bwd_item walks its chunk of key-tile columns once per pass of a few heads of the group
+// (bwd_pass). Per column (bwd_column) it packs K_j and V_j, and for each kept query tile and
+// head (bwd_tile_head) loads the rows, forms the scores and dP, P and dS row by row, and adds
+// into dV_j, dK_j and the query tile's dQ, which lives in a pool slot from the column that
+// first touches the tile (bwd_open_tiles) to the last (bwd_flush_tiles). The steps are
+// QKV_STEP: inlined, so the item still compiles as one function.
+
+// One item's chunk of columns and how it is walked
+struct BwdChunk {
+  int64_t b, hkv;
+  int64_t j0, j1;      // its key tiles
+  int64_t t0, t1;      // its touched query tiles (entries t0 … t1 − 1 of the plan)
+  int64_t gs;          // heads per pass (BwdPlan.heads)
+  int64_t tile;        // doubles of one pool slot: gs heads' dQ of a query tile
+  int64_t live;        // most query tiles live at once
+  int64_t kvs;         // doubles of one column's dK_j and dV_j kept between passes
+  int64_t qpe, dpe;    // float32 on the tiles: one cache entry's parts of Q's rows, of dO's
+  bool rows_in_place;  // float32 rows of Q and dO read in place (ld Dp, Dvp already)
+};
+
+// A pass of heads g0 … g1 − 1 over the chunk: its free pool slots and where the plan's lists of
+// tiles to open and to flush stand
+struct BwdPass {
+  int64_t g0, g1, n_free, next_first, next_flush;
+};
+
+// One column of the chunk: key tile j, packed, and where its dK_j and dV_j add up
+struct BwdColumn {
+  int64_t j, c0, kw;
+  uint64_t edge;
+  double *dk64, *dv64;
+  bool vt_ready;  // Vᵀ in double (dp_operands) made for this column
+};
+
+QKV_STEP BwdChunk bwd_chunk(const Problem& P, const BwdPlan& Bp, const BwdItem& it,
+                            const BwdBufs& w) {
+  BwdChunk ch;
+  const int64_t c = it.c, bq = P.lay.bq;
+  ch.b = it.b;
+  ch.hkv = it.hkv;
+  ch.j0 = Bp.chunk_j[c];
+  ch.j1 = Bp.chunk_j[c + 1];
+  ch.t0 = Bp.chunk_t[c];
+  ch.t1 = Bp.chunk_t[c + 1];
+  // heads g0 … g1 − 1 per pass over the chunk; dK_j, dV_j of its columns kept between passes
+  ch.gs = Bp.heads;
+  ch.tile = ch.gs * bq * P.Dp;
+  ch.live = Bp.chunk_live[c];
+  ch.kvs = BK * (P.Dp + P.Dvp);
+  ch.qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
+  ch.dpe = w.f32.vb3 ? tile_a3_elems(bq, P.Dv) : 0;          // … of dO's rows
+  ch.rows_in_place = P.dtype == DT_F32 && P.precise_scores && !P.dot_scores && P.D == P.Dp &&
+                     P.Dv == P.Dvp && P.q.sn == P.Dp && P.dout.sn == P.Dvp;
+  return ch;
+}
+
+// Pool slots for the query tiles that column j touches first: dQ zeroed, parts caches emptied
+QKV_STEP void bwd_open_tiles(const BwdPlan& Bp, const BwdChunk& ch, int64_t j, BwdPass& ps,
+                             BwdBufs& w) {
+  while (ps.next_first < ch.t1 && Bp.t_first[ps.next_first] == j) {
+    const int32_t s = w.free_slots[--ps.n_free];
+    w.slot_of[ps.next_first - ch.t0] = s;
+    __builtin_memset(w.pool + s * ch.tile, 0, (size_t)ch.tile * 8);
+    if (ch.qpe) {
+      __builtin_memset(w.f32.qc.state + s * ch.gs, PARTS_EMPTY, (size_t)ch.gs);
+      __builtin_memset(w.f32.dc.state + s * ch.gs, PARTS_EMPTY, (size_t)ch.gs);
+    }
+    ++ps.next_first;
+  }
+}
+
+// The query tiles whose last column of the chunk is j: their dQ written or stored (flush_dq) and
+// their slots freed
+QKV_STEP void bwd_flush_tiles(const Problem& P, const BwdPlan& Bp, const BwdChunk& ch, int64_t j,
+                              BwdPass& ps, BwdBufs& w) {
+  while (ps.next_flush < ch.t1 - ch.t0) {
+    const int64_t t = ch.t0 + Bp.t_flush[ch.t0 + ps.next_flush];
+    if (Bp.t_last[t] != j) break;
+    const int32_t s = w.slot_of[t - ch.t0];
+    flush_dq(P, Bp, ch.b, ch.hkv, t, ps.g0, ps.g1, w.pool + s * ch.tile, w);
+    w.free_slots[ps.n_free++] = s;
+    ++ps.next_flush;
+  }
+}
+
+// Column j: K_j and V_j packed where any query tile is kept in it, and (the pass of the first
+// heads) its dK_j, dV_j zeroed
+QKV_STEP BwdColumn bwd_column_start(const Problem& P, const BwdChunk& ch, int64_t j, int64_t g0,
+                                    bool kept, BwdBufs& w) {
+  BwdColumn col;
+  col.j = j;
+  col.c0 = tile_c0(P, j);
+  col.kw = tile_kw(P, j);
+  col.edge = col.kw == BK ? ~0ull : ((1ull << col.kw) - 1);
+  col.dk64 = ch.gs < P.G ? w.dkv + (j - ch.j0) * ch.kvs : w.dk64;
+  col.dv64 = ch.gs < P.G ? col.dk64 + BK * P.Dp : w.dv64;
+  col.vt_ready = false;
+  if (kept) {
+    bwd_pack(P, ch.b, ch.hkv, col.c0, col.kw, w);
+    if (g0 == 0) {
+      __builtin_memset(col.dk64, 0, (size_t)(BK * P.Dp) * 8);
+      __builtin_memset(col.dv64, 0, (size_t)(BK * P.Dvp) * 8);
+    }
+  }
+  return col;
+}
+
+// dK_j and dV_j of the column, complete after the pass of the last heads: scaled and stored
+QKV_STEP void bwd_store_dkv(const Problem& P, const BwdChunk& ch, const BwdColumn& col,
+                            BwdBufs& w) {
+  const int64_t es = elem_size(P.dtype);
+  for (int64_t jj = 0; jj < col.kw; ++jj) {
+    const int64_t row = (ch.b * P.Hkv + ch.hkv) * P.Nk + col.c0 + jj;
+    for (int64_t d = 0; d < P.D; ++d) w.tmp[d] = (float)(col.dk64[jj * P.Dp + d] * P.mods.scale64);
+    store_row((char*)P.dk + row * P.D * es, P.dtype, w.tmp, P.D);
+    for (int64_t d = 0; d < P.Dv; ++d) w.tmp[d] = (float)col.dv64[jj * P.Dvp + d];
+    store_row((char*)P.dv + row * P.Dv * es, P.dtype, w.tmp, P.Dv);
+  }
+}
+
+// The nr rows of head h of the query tile (rows r0 …): Q and dO (read in place, or copied to
+// the buffers qbuf and dobuf), their state (bwd_row) and the row pass's Δ
+QKV_STEP void bwd_load_rows(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t nr,
+                            bool in_place, float* qbuf, float* dobuf, BwdBufs& w) {
+  w.q = in_place ? (float*)row_of(P.q, P.dtype, b, h, r0) : qbuf;
+  w.dO = in_place ? (float*)row_of(P.dout, P.dtype, b, h, r0) : dobuf;
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
+    bwd_row(P, b, h, r0, r, w, in_place);
+    w.delta[r] = P.delta[idx];  // the row pass's Δ (delta_item)
+  }
+}
+
+// dP = dO Vᵀ of the rows, into w.dp64. Float32 on the tiles: as the scores are formed (dO's
+// rows' parts against the V tile's), gemm_dp's float chains, unless the split cannot carry some
+// value of either; bfloat16: on the tiles (one float chain over Dv, widened); else gemm_dp
+// (exact in double for a tile holding a peaked row)
+QKV_STEP void bwd_dp(const Problem& P, const BwdChunk& ch, bool exact, int64_t nr, int64_t ci,
+                     BwdColumn& col, BwdBufs& w) {
+  const int64_t Dvp = P.Dvp, bq = P.lay.bq;
+  if (exact || !DP_FLOAT_CHAINS) dp_operands(P, nr, col.vt_ready, w);
+  if (!exact && ch.dpe && w.f32.vbad == 0 &&
+      parts_of(w.f32.dc, ci, ch.dpe, bq, nr, P.Dv, w.dO, Dvp, 1.0f) == PARTS_PACKED) {
+    tile_chain3_f64(nr, P.Dv, w.f32.dc.parts + ci * ch.dpe, w.f32.vb3, w.dp64, BK);
+  } else if (!exact && bwd_on_tiles(P) &&
+             tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, w.o, BK)) {
+    for (int64_t x = 0; x < nr * BK; ++x) w.dp64[x] = (double)w.o[x];
+  } else {
+    gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);
+  }
+}
+
+// P and dS = P ∘ (dP̃ − Δ) (times dt/dx under a softcap) of the rows, into w.p and w.ds: P
+// recomputed from the forward's (m, l), the forward's scores (same bits), dropped and rescaled
+QKV_STEP void bwd_p_ds_rows(const Problem& P, const BwdColumn& col, int64_t code, int64_t nr,
+                            BwdBufs& w) {
+  const Layout& L = P.lay;
+  const int64_t code_stride = L.bm * L.hm * L.bq;
+  const bool cap = P.mods.cap != 0.0f;
+  const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
+  const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
+  for (int64_t r = 0; r < nr; ++r) {
+    float* srow = w.s + r * BK;
+    const float* lorow = lo_row(P, w, r);
+    float* prow = w.p + r * BK;
+    float* dsrow = w.ds + r * BK;
+    float* frow = w.dfac + r * BK;
+    const uint64_t allowed = code == TILE_FULL ? col.edge : L.bits[code * code_stride + w.bitoff[r]];
+    if (allowed == 0 || w.inv_l[r] == 0.0) {
+      for (int64_t q = 0; q < 4; ++q) {
+        v_store(prow + 16 * q, zero);
+        v_store(dsrow + 16 * q, zero);
+      }
+      continue;
+    }
+    row_scores(P.mods, w.slope[r], w.qpos[r], col.c0, allowed, srow, srow, cap ? frow : nullptr);
+    const V16 mv = v_set(w.mrow[r]);
+    const double inv = w.inv_l[r], delta = w.delta[r];
+    for (int64_t q = 0; q < 4; ++q) {
+      const V16 p = v_mul_f64(exp_scores(srow, lorow, q, mv), inv);
+      V16 pd = p;
+      M16 keep = m_bits(0xFFFFu);
+      if (P.drop.on) {
+        keep = drop_keep(P.drop, w.rowh[r], w.colh + 16 * q);
+        pd = v_select(keep, v_mul(p, keep_scale), zero);
+      }
+      V16 ds = v_mul(p, v_dsub(w.dp64 + r * BK + 16 * q, drop_mul, delta, keep));
+      if (cap) ds = v_mul(ds, v_load(frow + 16 * q));
+      v_store(prow + 16 * q, pd);
+      v_store(dsrow + 16 * q, ds);
+    }
+  }
+}
+
 // The backward's float chains for dQ, dK and dV: ACC_CHAIN terms for float32 inputs (docs/cpu.md,
 // Accuracy: one float sum over a tile's rows broke the rule); for 16-bit inputs, whose gradients
 // round to 16 bits, one chain per tile (≤ 256 terms, a float rounding of ≤ 256·2⁻²⁴ against
 // bf16's 2⁻⁹), summed in double across tiles, as their scores and P·V are plain float sums.
 constexpr int64_t ONE_CHAIN = int64_t(1) << 40;
 
-static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, BwdBufs& w) {
-  const Layout& L = P.lay;
+// dV_j += Pᵀ dO and dK_j += dSᵀ Q; dQ (qacc: this head's in the tile's pool slot) += dS K_j:
+// exactly in double (small float32 gradients), on the tile unit (bfloat16: Pᵀ, dSᵀ and dS in
+// two parts; keys ≥ kw: P = dS = 0) or in float chains summed in double
+QKV_STEP void bwd_acc_grads(const Problem& P, const BwdColumn& col, int64_t nr, double* qacc,
+                            BwdBufs& w) {
   const int64_t acc_chain = P.dtype == DT_F32 ? ACC_CHAIN : ONE_CHAIN;
-  const int64_t G = P.G, bq = L.bq, b = it.b, hkv = it.hkv, c = it.c;
-  const int64_t Dp = P.Dp, Dvp = P.Dvp, code_stride = L.bm * L.hm * bq;
-  const int64_t j0 = Bp.chunk_j[c], j1 = Bp.chunk_j[c + 1], t0 = Bp.chunk_t[c], t1 = Bp.chunk_t[c + 1];
-  // heads g0 … g1 − 1 per pass over the chunk; dK_j, dV_j of its columns kept between passes
-  const int64_t gs = Bp.heads, tile = gs * bq * Dp, live = Bp.chunk_live[c];
-  const int64_t kvs = BK * (Dp + Dvp), kv_need = gs < G ? (j1 - j0) * kvs : 0;
-  const int64_t qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
-  const int64_t dpe = w.f32.vb3 ? tile_a3_elems(bq, P.Dv) : 0;          // … of dO's rows
-  if (!bwd_reserve(w, kv_need, live, tile, gs, qpe, dpe, bq, t1 - t0)) return false;
-  const double scale = P.mods.scale64;
-  const bool cap = P.mods.cap != 0.0f;
-  const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
-  const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
-  const int64_t es = elem_size(P.dtype);
-  bool vt_ready = false;
-  float* const qbuf = w.q;
-  float* const dobuf = w.dO;
-  const bool rows_in_place = P.dtype == DT_F32 && P.precise_scores && !P.dot_scores &&
-                             P.D == P.Dp && P.Dv == P.Dvp && P.q.sn == P.Dp && P.dout.sn == P.Dvp;
-  for (int64_t g0 = 0; g0 < G; g0 += gs) {
-  const int64_t g1 = imin(G, g0 + gs);
-  int64_t n_free = live;
-  for (int64_t s = 0; s < live; ++s) w.free_slots[s] = (int32_t)(live - 1 - s);
-  int64_t next_first = t0, next_flush = 0;
-  for (int64_t j = j0; j < j1; ++j) {
-    while (next_first < t1 && Bp.t_first[next_first] == j) {
-      const int32_t s = w.free_slots[--n_free];
-      w.slot_of[next_first - t0] = s;
-      __builtin_memset(w.pool + s * tile, 0, (size_t)tile * 8);
-      if (qpe) {
-        __builtin_memset(w.f32.qc.state + s * gs, PARTS_EMPTY, (size_t)gs);
-        __builtin_memset(w.f32.dc.state + s * gs, PARTS_EMPTY, (size_t)gs);
-      }
-      ++next_first;
-    }
+  const int64_t Dp = P.Dp, Dvp = P.Dvp, kw = col.kw;
+  if (P.exact_dkv) {
+    gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, col.dv64, Dvp);
+    gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, col.dk64, Dp);
+  } else if (bwd_on_tiles(P)) {
+    tile_pack_a(BK, nr, w.p, BK, true, 2, w.bf16.ta);
+    tile_acc(BK, Dvp, nr, w.bf16.ta, 2, w.dO, Dvp, w.bf16.tb, col.dv64, Dvp);
+    tile_pack_a(BK, nr, w.ds, BK, true, 2, w.bf16.ta);
+    tile_acc(BK, Dp, nr, w.bf16.ta, 2, w.q, Dp, w.bf16.tb, col.dk64, Dp);
+  } else {
+    gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, col.dv64, Dvp, w.o, acc_chain);
+    gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, col.dk64, Dp, w.o, acc_chain);
+  }
+  if (P.exact_dq) {
+    gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc, Dp);
+  } else if (bwd_on_tiles(P)) {
+    tile_pack_a(nr, BK, w.ds, BK, false, 2, w.bf16.ta);
+    tile_acc(nr, Dp, BK, w.bf16.ta, 2, w.kr, Dp, w.bf16.tb, qacc, Dp);
+  } else {
+    gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc, Dp, w.o, acc_chain);
+  }
+}
+
+// Kept tile e of the column (query tile i), head g of the pass: rows, scores, dP, P and dS, and
+// their products into dV_j, dK_j and the tile's dQ
+QKV_STEP void bwd_tile_head(const Problem& P, const BwdPlan& Bp, const BwdChunk& ch,
+                            const BwdPass& ps, BwdColumn& col, int64_t e, int64_t g, float* qbuf,
+                            float* dobuf, BwdBufs& w) {
+  const Layout& L = P.lay;
+  const int64_t Dp = P.Dp, bq = L.bq, b = ch.b, hkv = ch.hkv;
+  const int64_t i = L.row_idx[e], r0 = tile_r0(P, i), nr = tile_nr(P, i);
+  const bool exact = P.peaked[(b * P.Hkv + hkv) * L.nqb + i];  // dP exact (gemm_dp)
+  // float32 rows of Q and dO as the products read them (ld Dp, Dvp) already: read in place, not
+  // copied per (column, query tile); not the last query tile, so that reads a vector past a
+  // tile's last row stay inside the tensor
+  const bool in_place = ch.rows_in_place && i + 1 < L.nqb;
+  bwd_load_rows(P, b, hkv * P.G + g, r0, nr, in_place, qbuf, dobuf, w);
+  const int64_t slot = w.slot_of[Bp.local[e]];
+  const int64_t ci = ch.qpe ? slot * ch.gs + g - ps.g0 : 0;  // the caches' entry
+  if (ch.qpe) {  // the rows' parts, for the scores
+    parts_of(w.f32.qc, ci, ch.qpe, bq, nr, P.D, w.q, Dp,
+             tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
+    w.tile.qa = w.f32.qc.parts + ci * ch.qpe;
+    w.tile.qbad = w.f32.qc.bad + ci * bq;
+    w.tile.qa_on = true;
+  }
+  tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, col.kw, w);
+  exact_rows(P, nr, w.kr, Dp, col.kw, w);
+  bwd_dp(P, ch, exact, nr, ci, col, w);
+  bwd_p_ds_rows(P, col, L.code_t[e], nr, w);
+  bwd_acc_grads(P, col, nr, w.pool + slot * ch.tile + (g - ps.g0) * bq * Dp, w);
+}
+
+// One pass of heads g0 … over the chunk, column by column
+QKV_STEP void bwd_pass(const Problem& P, const BwdPlan& Bp, const BwdChunk& ch, int64_t g0,
+                       float* qbuf, float* dobuf, BwdBufs& w) {
+  const Layout& L = P.lay;
+  BwdPass ps{g0, imin(P.G, g0 + ch.gs), ch.live, ch.t0, 0};
+  for (int64_t s = 0; s < ch.live; ++s) w.free_slots[s] = (int32_t)(ch.live - 1 - s);
+  for (int64_t j = ch.j0; j < ch.j1; ++j) {
+    bwd_open_tiles(Bp, ch, j, ps, w);
     const int64_t e0 = L.col_ptr[j], e1 = L.col_ptr[j + 1];
-    const int64_t c0 = tile_c0(P, j), kw = tile_kw(P, j);
-    const uint64_t edge = kw == BK ? ~0ull : ((1ull << kw) - 1);
-    double* const dk64 = gs < G ? w.dkv + (j - j0) * kvs : w.dk64;
-    double* const dv64 = gs < G ? dk64 + BK * Dp : w.dv64;
-    if (e1 > e0) {
-      bwd_pack(P, b, hkv, c0, kw, w);
-      vt_ready = false;
-      if (g0 == 0) {
-        __builtin_memset(dk64, 0, (size_t)(BK * Dp) * 8);
-        __builtin_memset(dv64, 0, (size_t)(BK * Dvp) * 8);
-      }
-    }
-    for (int64_t e = e0; e < e1; ++e) {
-      const int64_t i = L.row_idx[e], code = L.code_t[e], r0 = tile_r0(P, i), nr = tile_nr(P, i);
-      const bool exact = P.peaked[(b * P.Hkv + hkv) * L.nqb + i];  // dP exact (gemm_dp)
-      double* qacc = w.pool + w.slot_of[Bp.local[e]] * tile;
-      // float32 rows of Q and dO as the products read them (ld Dp, Dvp) already: read in place,
-      // not copied per (column, query tile); not the last query tile, so that reads a vector
-      // past a tile's last row stay inside the tensor
-      const bool in_place = rows_in_place && i + 1 < L.nqb;
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t h = hkv * G + g;
-        w.q = in_place ? (float*)row_of(P.q, P.dtype, b, h, r0) : qbuf;
-        w.dO = in_place ? (float*)row_of(P.dout, P.dtype, b, h, r0) : dobuf;
-        for (int64_t r = 0; r < nr; ++r) {
-          const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
-          bwd_row(P, b, h, r0, r, w, in_place);
-          w.delta[r] = P.delta[idx];  // the row pass's Δ (delta_item)
-        }
-        const int64_t ci = qpe ? w.slot_of[Bp.local[e]] * gs + g - g0 : 0;  // the caches' entry
-        if (qpe) {  // the rows' parts, for the scores
-          parts_of(w.f32.qc, ci, qpe, bq, nr, P.D, w.q, Dp, tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
-          w.tile.qa = w.f32.qc.parts + ci * qpe;
-          w.tile.qbad = w.f32.qc.bad + ci * bq;
-          w.tile.qa_on = true;
-        }
-        tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, kw, w);
-        exact_rows(P, nr, w.kr, Dp, kw, w);
-        if (exact || !DP_FLOAT_CHAINS) dp_operands(P, nr, vt_ready, w);
-        // float32 on the tiles: dO Vᵀ as the scores are formed (dO's rows' parts against the V
-        // tile's), gemm_dp's float chains, unless the split cannot carry some value of either;
-        // bfloat16: dO Vᵀ on the tiles (one float chain over Dv, widened); else gemm_dp
-        if (!exact && dpe && w.f32.vbad == 0 && parts_of(w.f32.dc, ci, dpe, bq, nr, P.Dv, w.dO, Dvp, 1.0f) == PARTS_PACKED) {
-          tile_chain3_f64(nr, P.Dv, w.f32.dc.parts + ci * dpe, w.f32.vb3, w.dp64, BK);
-        } else if (!exact && bwd_on_tiles(P) && tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, w.o, BK)) {
-          for (int64_t x = 0; x < nr * BK; ++x) w.dp64[x] = (double)w.o[x];
-        } else {
-          gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);
-        }
-        for (int64_t r = 0; r < nr; ++r) {
-          float* srow = w.s + r * BK;
-          const float* lorow = lo_row(P, w, r);
-          float* prow = w.p + r * BK;
-          float* dsrow = w.ds + r * BK;
-          float* frow = w.dfac + r * BK;
-          const uint64_t allowed = code == TILE_FULL ? edge : L.bits[code * code_stride + w.bitoff[r]];
-          if (allowed == 0 || w.inv_l[r] == 0.0) {
-            for (int64_t q = 0; q < 4; ++q) {
-              v_store(prow + 16 * q, zero);
-              v_store(dsrow + 16 * q, zero);
-            }
-            continue;
-          }
-          row_scores(P.mods, w.slope[r], w.qpos[r], c0, allowed, srow, srow, cap ? frow : nullptr);
-          const V16 mv = v_set(w.mrow[r]);
-          const double inv = w.inv_l[r], delta = w.delta[r];
-          for (int64_t q = 0; q < 4; ++q) {
-            const V16 p = v_mul_f64(exp_scores(srow, lorow, q, mv), inv);
-            V16 pd = p;
-            M16 keep = m_bits(0xFFFFu);
-            if (P.drop.on) {
-              keep = drop_keep(P.drop, w.rowh[r], w.colh + 16 * q);
-              pd = v_select(keep, v_mul(p, keep_scale), zero);
-            }
-            V16 ds = v_mul(p, v_dsub(w.dp64 + r * BK + 16 * q, drop_mul, delta, keep));
-            if (cap) ds = v_mul(ds, v_load(frow + 16 * q));
-            v_store(prow + 16 * q, pd);
-            v_store(dsrow + 16 * q, ds);
-          }
-        }
-        if (P.exact_dkv) {
-          gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, dv64, Dvp);
-          gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, dk64, Dp);
-        } else if (bwd_on_tiles(P)) {  // Pᵀ and dSᵀ in two parts (keys ≥ kw: P = dS = 0)
-          tile_pack_a(BK, nr, w.p, BK, true, 2, w.bf16.ta);
-          tile_acc(BK, Dvp, nr, w.bf16.ta, 2, w.dO, Dvp, w.bf16.tb, dv64, Dvp);
-          tile_pack_a(BK, nr, w.ds, BK, true, 2, w.bf16.ta);
-          tile_acc(BK, Dp, nr, w.bf16.ta, 2, w.q, Dp, w.bf16.tb, dk64, Dp);
-        } else {
-          gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, dv64, Dvp, w.o, acc_chain);
-          gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, dk64, Dp, w.o, acc_chain);
-        }
-        if (P.exact_dq) {
-          gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + (g - g0) * bq * Dp, Dp);
-        } else if (bwd_on_tiles(P)) {
-          tile_pack_a(nr, BK, w.ds, BK, false, 2, w.bf16.ta);
-          tile_acc(nr, Dp, BK, w.bf16.ta, 2, w.kr, Dp, w.bf16.tb, qacc + (g - g0) * bq * Dp, Dp);
-        } else {
-          gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc + (g - g0) * bq * Dp, Dp, w.o, acc_chain);
-        }
-      }
-    }
-    if (e1 > e0 && g1 == G) {
-      for (int64_t jj = 0; jj < kw; ++jj) {
-        const int64_t row = (b * P.Hkv + hkv) * P.Nk + c0 + jj;
-        for (int64_t d = 0; d < P.D; ++d) w.tmp[d] = (float)(dk64[jj * Dp + d] * scale);
-        store_row((char*)P.dk + row * P.D * es, P.dtype, w.tmp, P.D);
-        for (int64_t d = 0; d < P.Dv; ++d) w.tmp[d] = (float)dv64[jj * Dvp + d];
-        store_row((char*)P.dv + row * P.Dv * es, P.dtype, w.tmp, P.Dv);
-      }
-    }
-    while (next_flush < t1 - t0) {
-      const int64_t t = t0 + Bp.t_flush[t0 + next_flush];
-      if (Bp.t_last[t] != j) break;
-      const int32_t s = w.slot_of[t - t0];
-      flush_dq(P, Bp, b, hkv, t, g0, g1, w.pool + s * tile, w);
-      w.free_slots[n_free++] = s;
-      ++next_flush;
-    }
+    BwdColumn col = bwd_column_start(P, ch, j, g0, e1 > e0, w);
+    for (int64_t e = e0; e < e1; ++e)
+      for (int64_t g = ps.g0; g < ps.g1; ++g) bwd_tile_head(P, Bp, ch, ps, col, e, g, qbuf, dobuf, w);
+    if (e1 > e0 && ps.g1 == P.G) bwd_store_dkv(P, ch, col, w);
+    bwd_flush_tiles(P, Bp, ch, j, ps, w);
   }
-  }
+}
+
+static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, BwdBufs& w) {
+  const BwdChunk ch = bwd_chunk(P, Bp, it, w);
+  const int64_t kv_need = ch.gs < P.G ? (ch.j1 - ch.j0) * ch.kvs : 0;
+  if (!bwd_reserve(w, kv_need, ch.live, ch.tile, ch.gs, ch.qpe, ch.dpe, P.lay.bq, ch.t1 - ch.t0))
+    return false;
+  float* const qbuf = w.q;  // (w.q and w.dO point at the tensors' rows while read in place)
+  float* const dobuf = w.dO;
+  for (int64_t g0 = 0; g0 < P.G; g0 += ch.gs) bwd_pass(P, Bp, ch, g0, qbuf, dobuf, w);
   w.q = qbuf;
   w.dO = dobuf;
   return true;
