@@ -368,6 +368,13 @@ int64_t kept_result_bytes() { return 0; }
 
 // ---------------------------------------------------------------------------- forward plan
 
+// A plan's items: those of the state that owns them
+template <class Plan, class Item>
+void point_at_items(Plan& plan, const std::vector<Item>& items) {
+  plan.items = items.data();
+  plan.n_items = (int64_t)items.size();
+}
+
 struct FwdState {
   std::vector<FwdItem> items;
   std::vector<int32_t> nsplit, done;
@@ -426,15 +433,14 @@ void plan_forward(const Problem& P, FwdState& S) {
   S.part_l.assign(slots * mmax, 0.0);
   S.part_acc.assign(slots * mmax * P.Dvp, 0.0);
   FwdPlan& F = S.plan;
-  F.items = S.items.data();
-  F.n_items = (int64_t)S.items.size();
+  point_at_items(F, S.items);
   F.nsplit = S.nsplit.data();
   F.part_base = S.part_base.data();
   F.done = S.done.data();
+  F.mmax = mmax;  // rows of each partial slot below
   F.part_m = S.part_m.data();
   F.part_l = S.part_l.data();
   F.part_acc = S.part_acc.data();
-  F.mmax = mmax;
   S.v_finite.assign(BH * L.nkb, V_TILE_UNKNOWN);
   F.v_finite = S.v_finite.data();
 }
@@ -580,8 +586,7 @@ void plan_backward(const Problem& P, BwdState& S) {
   S.store.reset(bytes > 0 ? new double[bytes / 8] : nullptr);
   BwdPlan& Bp = S.plan;
   Bp.heads = backward_heads(P);
-  Bp.items = S.items.data();
-  Bp.n_items = (int64_t)S.items.size();
+  point_at_items(Bp, S.items);
   Bp.chunk_j = S.chunk_j.data();
   Bp.chunk_t = S.chunk_t.data();
   Bp.t_tile = S.t_tile.data();

@@ -123,6 +123,10 @@ struct Carver {
     ptr = cur ? (T*)(cur + bytes) : nullptr;
     bytes += ((int64_t)sizeof(T) * n + 63) & ~int64_t(63);
   }
+  template <class... T>
+  void take_each(int64_t n, T*&... ptrs) {  // buffers of n elements each, in order
+    (take(ptrs, n), ...);
+  }
 };
 template <class Lay>
 static char* carve_block(const Lay& lay) {
@@ -138,26 +142,15 @@ static char* carve_block(const Lay& lay) {
 // StepBufs' buffers for R rows: taken from c, and (once carved) initialised
 static void step_take(Carver& c, StepBufs& w, const Problem& P, int64_t R) {
   const int64_t Dp = P.Dp, Dvp = P.Dvp, Dm = imax(Dp, Dvp);
-  c.take(w.q, R * Dp);
-  c.take(w.kr, BK * Dp);
-  c.take(w.kt, Dp * BK);
+  c.take_each(R * Dp, w.q, w.q64);
+  c.take_each(BK * Dp, w.kr, w.kt);
   c.take(w.vr, BK * Dvp);
-  c.take(w.s, R * BK);
-  c.take(w.slo, R * BK);
-  c.take(w.p, R * BK);
+  c.take_each(R * BK, w.s, w.slo, w.p);
   c.take(w.o, imax(4 * R, BK) * Dm);
   c.take(w.tmp, Dm + 16);
-  c.take(w.mrow, R);
-  c.take(w.slope, R);
-  c.take(w.qpos, R);
-  c.take(w.bitoff, R);
-  c.take(w.rowh, R);
+  c.take_each(R, w.mrow, w.slope, w.qpos, w.bitoff, w.rowh, w.qn, w.exact, w.tile.qbad);
   c.take(w.colh, BK);
-  c.take(w.q64, R * Dp);
-  c.take(w.qn, R);
-  c.take(w.exact, R);
   c.take(w.tile.qa, on_tiles(P) ? tile_a_elems(R, P.D) : scores_on_tiles(P) ? tile_a3_elems(R, P.D) : 0);
-  c.take(w.tile.qbad, R);
 }
 static void step_init(StepBufs& w, int64_t R) {
   __builtin_memset(w.slo, 0, (size_t)(R * BK) * 4);
@@ -172,11 +165,8 @@ static bool fwd_alloc(FwdBufs& w, const Problem& P, int64_t rows) {
   w.keys = KeyTileStore{nullptr, nullptr, nullptr, -1, nullptr, nullptr};
   w.base = carve_block([&](Carver& c) {
     step_take(c, w, P, R);
-    c.take(w.l, R);
-    c.take(w.alpha, R);
+    c.take_each(R, w.l, w.alpha, w.glo, w.ghi);
     c.take(w.acc, R * Dm);
-    c.take(w.glo, R);
-    c.take(w.ghi, R);
     c.take(w.bf16.accf, on_tiles(P) ? R16 * Dvp : 0);
     c.take(w.bf16.lv, on_tiles(P) ? R * 16 : 0);
     c.take(w.bf16.pa, on_tiles(P) ? R16 * BK : 0);
@@ -217,20 +207,13 @@ static bool bwd_alloc(BwdBufs& w, const Problem& P, int64_t rows) {
   const bool bf16 = bwd_on_tiles(P);
   w.base = carve_block([&](Carver& c) {
     step_take(c, w, P, R);
-    c.take(w.vt, Dvp * BK);
-    c.take(w.ds, R * BK);
-    c.take(w.dfac, R * BK);
+    c.take_each(BK * Dvp, w.vt, w.vt64, w.dv64);
+    c.take_each(R * BK, w.ds, w.dfac, w.dp64);
     c.take(w.dO, P.lay.bq * Dvp + 16);
-    c.take(w.delta, R);
-    c.take(w.inv_l, R);
+    c.take_each(R, w.delta, w.inv_l, w.sum_p, w.sum_pdp);
     c.take(w.dk64, BK * Dp);
-    c.take(w.dv64, BK * Dvp);
-    c.take(w.vt64, Dvp * BK);
     c.take(w.dO64, R * Dvp);
-    c.take(w.dp64, R * BK);
     c.take(w.dq_sum, R * Dm);
-    c.take(w.sum_p, R);
-    c.take(w.sum_pdp, R);
     c.take(w.tile.kb, kb_elems);
     c.take(w.f32.vb3, vb_elems);
     c.take(w.bf16.ta, bf16 ? 2 * 512 * imax(4 * (bqa / 32), bqa / 16 * 2) : 0);
