@@ -61,8 +61,8 @@ static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv
 // where dP needs it, dp_operands), 1/l, m, the ALiBi slope, the position, the mask-bit offset,
 // the dropout hash. The column pass (bwd_item) and the row pass (delta_item) both load rows with
 // it, so the row pass recomputes P and dP from the very same inputs.
-static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r, BwdBufs& w,
-                           bool rows_in_place = false) {
+static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r,
+                           BwdBufs& w, bool rows_in_place = false) {
   const Layout& L = P.lay;
   const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
   if (rows_in_place) {  // w.q and w.dO point at the tensors' rows: the norm only
@@ -261,7 +261,8 @@ QKV_STEP void bwd_p_ds_rows(const Problem& P, const BwdColumn& col, int64_t code
     float* prow = w.p + r * BK;
     float* dsrow = w.ds + r * BK;
     float* frow = w.dfac + r * BK;
-    const uint64_t allowed = code == TILE_FULL ? col.edge : L.bits[code * code_stride + w.bitoff[r]];
+    const uint64_t allowed =
+        code == TILE_FULL ? col.edge : L.bits[code * code_stride + w.bitoff[r]];
     if (allowed == 0 || w.inv_l[r] == 0.0) {
       for (int64_t q = 0; q < 4; ++q) {
         v_store(prow + 16 * q, zero);
@@ -364,7 +365,8 @@ QKV_STEP void bwd_pass(const Problem& P, const BwdPlan& Bp, const BwdChunk& ch, 
     const int64_t e0 = L.col_ptr[j], e1 = L.col_ptr[j + 1];
     BwdColumn col = bwd_column_start(P, ch, j, g0, e1 > e0, w);
     for (int64_t e = e0; e < e1; ++e)
-      for (int64_t g = ps.g0; g < ps.g1; ++g) bwd_tile_head(P, Bp, ch, ps, col, e, g, qbuf, dobuf, w);
+      for (int64_t g = ps.g0; g < ps.g1; ++g)
+        bwd_tile_head(P, Bp, ch, ps, col, e, g, qbuf, dobuf, w);
     if (e1 > e0 && ps.g1 == P.G) bwd_store_dkv(P, ch, col, w);
     bwd_flush_tiles(P, Bp, ch, j, ps, w);
   }

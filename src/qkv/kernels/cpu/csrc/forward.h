@@ -252,7 +252,8 @@ QKV_STEP void fwd_softmax_rows(const Problem& P, int64_t M, const FwdTile& t, bo
   for (int64_t R = 0; R < M; ++R) {
     float* srow = w.s + R * BK;
     const float* lorow = lo_row(P, w, R);
-    const uint64_t allowed = t.code == TILE_FULL ? t.edge : L.bits[t.code * code_stride + w.bitoff[R]];
+    const uint64_t allowed =
+        t.code == TILE_FULL ? t.edge : L.bits[t.code * code_stride + w.bitoff[R]];
     w.alpha[R] = 1.0;
     if (allowed == 0) {
       fwd_put_p(w, tiles_p, R, 0, zero, zero);
@@ -260,7 +261,8 @@ QKV_STEP void fwd_softmax_rows(const Problem& P, int64_t M, const FwdTile& t, bo
       continue;
     }
     row_scores(P.mods, w.slope[R], w.qpos[R], t.c0, allowed, srow, srow, nullptr);
-    V16 mx = v_max(v_max(v_load(srow), v_load(srow + 16)), v_max(v_load(srow + 32), v_load(srow + 48)));
+    V16 mx = v_max(v_max(v_load(srow), v_load(srow + 16)),
+                   v_max(v_load(srow + 32), v_load(srow + 48)));
     // the row's maximum moves only where some score exceeds it: the horizontal maximum is
     // formed only then (after a row's first tiles, rarely)
     const float mold = w.mrow[R];
@@ -285,7 +287,8 @@ QKV_STEP void fwd_softmax_rows(const Problem& P, int64_t M, const FwdTile& t, bo
       ev[q] = exp_scores(srow, lorow, q, mv);
       sum = v_add(sum, ev[q]);
       if (P.drop.on)
-        ev[q] = v_select(drop_keep(P.drop, w.rowh[R], w.colh + 16 * q), v_mul(ev[q], keep_scale), zero);
+        ev[q] = v_select(drop_keep(P.drop, w.rowh[R], w.colh + 16 * q), v_mul(ev[q], keep_scale),
+                         zero);
     }
     fwd_put_p(w, tiles_p, R, 0, ev[0], ev[1]);
     fwd_put_p(w, tiles_p, R, 2, ev[2], ev[3]);
@@ -293,7 +296,8 @@ QKV_STEP void fwd_softmax_rows(const Problem& P, int64_t M, const FwdTile& t, bo
         mold == mnew ? 1.0 : (mold == NEG_INF ? 0.0 : __builtin_exp((double)mold - (double)mnew));
     if (on_tiles(P)) {
       const V16 lr = v_load(w.bf16.lv + 16 * R);
-      v_store(w.bf16.lv + 16 * R, alpha == 1.0 ? v_add(lr, sum) : v_fma(lr, v_set((float)alpha), sum));
+      v_store(w.bf16.lv + 16 * R,
+              alpha == 1.0 ? v_add(lr, sum) : v_fma(lr, v_set((float)alpha), sum));
     } else {
       w.l[R] = w.l[R] * alpha + (double)v_hsum(sum);
     }

@@ -38,7 +38,8 @@ static void pack_v(const Problem& P, int64_t b, int64_t hkv, int64_t c0, int64_t
   for (int64_t j = kw; j < BK; ++j)
     for (int64_t d = 0; d < Dvp; ++d) w.vr[j * Dvp + d] = 0.0f;
   for (int64_t d0 = 0; d0 < Dvp; d0 += 16)
-    for (int64_t j0 = 0; j0 < BK; j0 += 16) transpose16(w.vr + j0 * Dvp + d0, Dvp, vt + d0 * BK + j0, BK);
+    for (int64_t j0 = 0; j0 < BK; j0 += 16)
+      transpose16(w.vr + j0 * Dvp + d0, Dvp, vt + d0 * BK + j0, BK);
 }
 
 // the largest |k_j| of a packed key tile kt (Dp × BK, columns j < kw), non-finite entries
@@ -121,8 +122,9 @@ static void fwd_key_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t 
   }
   if (slot == 0) s.slot0 = -1;
   if (s.tag[slot] != tag) {
-    pack_key_tile(P, b, hkv, c0, kw, w, scores_on_tiles(P) ? s.parts + slot * tile_b3_elems(P.D) : nullptr,
-                  s.kmax + slot, scores_on_tiles(P) ? s.bad + slot : nullptr);
+    const bool parts = scores_on_tiles(P);
+    pack_key_tile(P, b, hkv, c0, kw, w, parts ? s.parts + slot * tile_b3_elems(P.D) : nullptr,
+                  s.kmax + slot, parts ? s.bad + slot : nullptr);
     s.tag[slot] = need_kr || !keep ? -1 : tag;
   }
   w.kmax = s.kmax[slot];

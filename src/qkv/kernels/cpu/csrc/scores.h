@@ -34,9 +34,11 @@ constexpr int64_t PREFETCH_ROWS = 48;
 // s[M × N] (ld BK) = round(q · kt · scale) for rows R0 … R0+M−1 of w.q and key columns 16·lo …
 // 16·lo + N − 1 of the packed transposed key tile w.kt, into the same places of w.s: every score
 // the same bits whatever M, N and lo (each product promises it). Float32 scores on the tile unit
-// (scores_on_tiles) take the rows' parts from w.tile.qa (packed once per forward item, else here) and
-// the key tile's from w.tile.kb; rows and keys the split cannot carry get gemm_chain's bits instead.
-static void block_scores(const Problem& P, StepBufs& w, int64_t R0, int64_t M, int64_t lo, int64_t N) {
+// (scores_on_tiles) take the rows' parts from w.tile.qa (packed once per forward item, else
+// here) and the key tile's from w.tile.kb; rows and keys the split cannot carry get gemm_chain's
+// bits instead.
+static void block_scores(const Problem& P, StepBufs& w, int64_t R0, int64_t M, int64_t lo,
+                         int64_t N) {
   const int64_t Dp = P.Dp;
   const float* q = w.q + R0 * Dp;
   const float* kt = w.kt + 16 * lo;
@@ -47,11 +49,13 @@ static void block_scores(const Problem& P, StepBufs& w, int64_t R0, int64_t M, i
       return;
     }
     const bool folded = tile_scale_folds(P.mods.scale);
-    if (!w.tile.qa_on) tile_pack_rows3(M, P.D, q, Dp, w.tile.qa, w.tile.qbad + R0, folded ? P.mods.scale : 1.0f);
-    tile_chain3(M, N, P.D, w.tile.qa_on ? w.tile.qa + tile_a3_elems(R0, P.D) : w.tile.qa, w.tile.kb, lo, s, BK,
-                P.mods.scale64, folded);
+    if (!w.tile.qa_on)
+      tile_pack_rows3(M, P.D, q, Dp, w.tile.qa, w.tile.qbad + R0, folded ? P.mods.scale : 1.0f);
+    tile_chain3(M, N, P.D, w.tile.qa_on ? w.tile.qa + tile_a3_elems(R0, P.D) : w.tile.qa,
+                w.tile.kb, lo, s, BK, P.mods.scale64, folded);
     for (int64_t r = 0; r < M; ++r)
-      if (w.tile.qbad[R0 + r]) gemm_chain(1, N, P.D, q + r * Dp, Dp, kt, BK, s + r * BK, BK, P.mods.scale64);
+      if (w.tile.qbad[R0 + r])
+        gemm_chain(1, N, P.D, q + r * Dp, Dp, kt, BK, s + r * BK, BK, P.mods.scale64);
     const uint64_t cols = (w.tile.kbad >> (16 * lo)) & (N == BK ? ~0ull : ((1ull << N) - 1));
     for (int64_t c0 = 0; c0 < N; c0 += 16) {
       const uint64_t u = (cols >> c0) & 0xFFFFull;

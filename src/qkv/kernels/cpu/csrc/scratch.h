@@ -150,7 +150,9 @@ static void step_take(Carver& c, StepBufs& w, const Problem& P, int64_t R) {
   c.take(w.tmp, Dm + 16);
   c.take_each(R, w.mrow, w.slope, w.qpos, w.bitoff, w.rowh, w.qn, w.exact, w.tile.qbad);
   c.take(w.colh, BK);
-  c.take(w.tile.qa, on_tiles(P) ? tile_a_elems(R, P.D) : scores_on_tiles(P) ? tile_a3_elems(R, P.D) : 0);
+  c.take(w.tile.qa, on_tiles(P)          ? tile_a_elems(R, P.D)
+                    : scores_on_tiles(P) ? tile_a3_elems(R, P.D)
+                                         : 0);
 }
 static void step_init(StepBufs& w, int64_t R) {
   __builtin_memset(w.slo, 0, (size_t)(R * BK) * 4);
@@ -254,7 +256,8 @@ static int8_t parts_of(PartsCache& c, int64_t e, int64_t elems, int64_t bq, int6
                        const float* x, int64_t ldx, float scale) {
   if (c.state[e] == PARTS_EMPTY) {
     tile_pack_rows3(nr, K, x, ldx, c.parts + e * elems, c.bad + e * bq, scale);
-    c.state[e] = __builtin_memchr(c.bad + e * bq, 1, (size_t)nr) ? PARTS_PACKED_BAD_ROW : PARTS_PACKED;
+    const bool bad_row = __builtin_memchr(c.bad + e * bq, 1, (size_t)nr);
+    c.state[e] = bad_row ? PARTS_PACKED_BAD_ROW : PARTS_PACKED;
   }
   return c.state[e];
 }

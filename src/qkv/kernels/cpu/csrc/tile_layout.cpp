@@ -48,8 +48,10 @@ struct Rows {
        const std::optional<at::Tensor>& keys_in, int64_t nq_, int64_t nk_, int64_t block_q_,
        bool causal_)
       : nq(nq_), nk(nk_), block_q(block_q_), nkb((nk_ + BK - 1) / BK), causal(causal_) {
-    TORCH_CHECK(nq > 0 && nk > 0 && block_q > 0, "tile_layout: nq, nk and block_q must be positive");
-    TORCH_CHECK(lo_in.has_value() == hi_in.has_value(), "tile_layout: give both lo and hi, or none");
+    TORCH_CHECK(nq > 0 && nk > 0 && block_q > 0,
+                "tile_layout: nq, nk and block_q must be positive");
+    TORCH_CHECK(lo_in.has_value() == hi_in.has_value(),
+                "tile_layout: give both lo and hi, or none");
     if (lo_in.has_value()) {
       lo_t = lo_in->contiguous();
       hi_t = hi_in->contiguous();
