@@ -1,7 +1,8 @@
 """qkv's compiled CPU kernel: block-sparse FlashAttention-2, forward and backward, in C++.
 
 - `csrc/`: the C++ sources (`ops.cpp` registers `torch.ops.qkv_cpu.*`; `kernel.h` is the
-  algorithm, compiled once per instruction set by `isa_*.cpp` over `simd_*.h`);
+  algorithm, compiled once per instruction set by `isa_*.cpp` over the names `isa_contract.h`
+  lists; docs/cpu.md, "Instruction sets", lists the files);
 - `build.py`: builds them once per machine (at first use or with `qkv build`) and loads them;
 - `isa.py`: which instruction-set path runs (`QKV_CPU_ISA`);
 - `tile_encoding.py`: what the kernel reads of `qkv.layout`'s block layout (and the PARTIAL

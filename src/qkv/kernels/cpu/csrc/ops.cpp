@@ -357,23 +357,23 @@ at::Tensor empty_result(at::IntArrayRef size, const at::TensorOptions& opts) {
   return at::empty(size, opts);
 }
 
-int64_t release_results() {
+// The bytes of kept result blocks unmapped (qkv.kernels.cpu.release_cached_results), and kept
 #if defined(__linux__)
-  return ResultMemory::instance().release();
-#else
-  return 0;
+int64_t release_results() { return ResultMemory::instance().release(); }
+int64_t kept_result_bytes() { return ResultMemory::instance().kept_bytes(); }
+#else  // no result memory off Linux: nothing is kept
+int64_t release_results() { return 0; }
+int64_t kept_result_bytes() { return 0; }
 #endif
-}
-
-int64_t kept_result_bytes() {
-#if defined(__linux__)
-  return ResultMemory::instance().kept_bytes();
-#else
-  return 0;
-#endif
-}
 
 // ---------------------------------------------------------------------------- forward plan
+
+// A plan's items: those of the state that owns them
+template <class Plan, class Item>
+void point_at_items(Plan& plan, const std::vector<Item>& items) {
+  plan.items = items.data();
+  plan.n_items = (int64_t)items.size();
+}
 
 struct FwdState {
   std::vector<FwdItem> items;
@@ -433,16 +433,15 @@ void plan_forward(const Problem& P, FwdState& S) {
   S.part_l.assign(slots * mmax, 0.0);
   S.part_acc.assign(slots * mmax * P.Dvp, 0.0);
   FwdPlan& F = S.plan;
-  F.items = S.items.data();
-  F.n_items = (int64_t)S.items.size();
+  point_at_items(F, S.items);
   F.nsplit = S.nsplit.data();
   F.part_base = S.part_base.data();
   F.done = S.done.data();
+  F.mmax = mmax;  // rows of each partial slot below
   F.part_m = S.part_m.data();
   F.part_l = S.part_l.data();
   F.part_acc = S.part_acc.data();
-  F.mmax = mmax;
-  S.v_finite.assign(BH * L.nkb, -1);
+  S.v_finite.assign(BH * L.nkb, V_TILE_UNKNOWN);
   F.v_finite = S.v_finite.data();
 }
 
@@ -587,8 +586,7 @@ void plan_backward(const Problem& P, BwdState& S) {
   S.store.reset(bytes > 0 ? new double[bytes / 8] : nullptr);
   BwdPlan& Bp = S.plan;
   Bp.heads = backward_heads(P);
-  Bp.items = S.items.data();
-  Bp.n_items = (int64_t)S.items.size();
+  point_at_items(Bp, S.items);
   Bp.chunk_j = S.chunk_j.data();
   Bp.chunk_t = S.chunk_t.data();
   Bp.t_tile = S.t_tile.data();
@@ -639,7 +637,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   if (const int64_t share = K.fwd_share_elems(P)) {  // the key tiles' parts, packed once per call
     const int64_t tiles = P.B * P.Hkv * P.lay.nkb;
     S.kparts = at::empty({share}, at::TensorOptions().dtype(at::kInt));
-    S.kstate.assign(tiles, 0);
+    S.kstate.assign(tiles, KEY_TILE_IDLE);
     S.kbadv.assign(tiles, 0);
     S.kmaxv.assign(tiles, 0.0);
     S.plan.kparts = (uint32_t*)S.kparts.data_ptr<int32_t>();

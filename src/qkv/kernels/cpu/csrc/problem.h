@@ -110,6 +110,16 @@ static inline int64_t tile_kw(const Problem& P, int64_t j) {
   return P.Nk - j * BK < BK ? P.Nk - j * BK : BK;
 }
 
+// The states of the call's shared key-tile store (FwdPlan.kstate), lock-free: the first item to
+// reach a tile claims it (IDLE → PACKING, compare-and-swap), packs its parts and publishes them
+// (a release store of READY); an item that loads READY (acquire) reads them, one that finds
+// the tile PACKING packs a copy of its own.
+enum KeyTileState : int32_t { KEY_TILE_IDLE = 0, KEY_TILE_PACKING = 1, KEY_TILE_READY = 2 };
+
+// Whether a V tile of the call is all finite (FwdPlan.v_finite): found by the first item that
+// reads the tile, then remembered (relaxed loads and stores: every writer stores the same value).
+enum VTileFinite : int8_t { V_TILE_UNKNOWN = -1, V_TILE_NONFINITE = 0, V_TILE_FINITE = 1 };
+
 // Forward work item: rows of query tile i of (b, kv head hkv) — all G query heads of the group —
 // over the kept tiles [e0, e1) of the tile row (a split of it when split_count > 1).
 struct FwdItem {
@@ -127,12 +137,12 @@ struct FwdPlan {
   double* part_l;            // per slot: mmax rows
   double* part_acc;          // per slot: mmax × Dvp
   int64_t mmax;              // most rows of an item: G · bq
-  int8_t* v_finite;          // per (b, hkv, key tile): −1 unknown, 0/1 whether V is finite
+  int8_t* v_finite;          // per (b, hkv, key tile): a VTileFinite
   // float32 scores on the tile unit, rows longer than a worker's key-tile slots (dense, causal):
   // each key tile's three parts packed once per call by the first item that reaches it and read
   // by every other (null: each worker packs its own)
   uint32_t* kparts;          // per (b, hkv, key tile): fwd_share_elems / tiles
-  int32_t* kstate;           // … 0 not packed, 1 being packed, 2 packed
+  int32_t* kstate;           // … a KeyTileState
   uint64_t* kbadv;           // … its keys the split cannot carry
   double* kmaxv;             // … its largest key norm
 };

@@ -1,11 +1,19 @@
-// The SIMD layer for AVX2 + FMA + F16C (see simd_avx512.h for what each name means). V16 is a
-// pair of 8-float registers; lane masks are all-ones lanes.
-
-#define QKV_ISA_NAME "avx2"
+// The SIMD layer for AVX2 + FMA + F16C: the names isa_contract.h lists, for the avx2 path. V16 is
+// a pair of 8-float registers; lane masks are all-ones lanes.
 
 struct V16 { __m256 a, b; };
 struct M16 { __m256 a, b; };
 struct U16 { __m256i a, b; };
+
+#include "microkernel.h"
+QKV_VECTOR_TRAITS(F32x8, float, __m256, 8, _mm256_setzero_ps(), _mm256_loadu_ps(p),
+                  _mm256_set1_ps(*p), _mm256_fmadd_ps(a, b, c), _mm256_storeu_ps(p, x));
+// the same, broadcasting A's values from their addresses (GCC then steps the row pointers): the
+// form the chained products (micro_scores, micro_pv) were tuned in
+QKV_VECTOR_TRAITS(F32x8At, float, __m256, 8, _mm256_setzero_ps(), _mm256_loadu_ps(p),
+                  _mm256_broadcast_ss(p), _mm256_fmadd_ps(a, b, c), _mm256_storeu_ps(p, x));
+QKV_VECTOR_TRAITS(F64x4, double, __m256d, 4, _mm256_setzero_pd(), _mm256_loadu_pd(p),
+                  _mm256_set1_pd(*p), _mm256_fmadd_pd(a, b, c), _mm256_storeu_pd(p, x));
 
 // a·b + c exactly as gemm's micro-kernel forms it (fused where gemm fuses)
 static inline float madd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
@@ -221,51 +229,11 @@ static inline void transpose16(const float* src, int64_t lds, float* dst, int64_
   transpose8(src + 8 * lds + 8, lds, dst + 8 * ldd + 8, ldd);
 }
 
-template <int MR, int NV>
-static inline void micro(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
-                         int64_t ldb, float* C, int64_t ldc) {
-  __m256 c[MR][NV];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) c[m][v] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* b = B + k * ldb;
-    const float* a = A + k * sak;
-    __m256 bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + 8 * v);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 av = _mm256_set1_ps(a[m * sam]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[m][v] = _mm256_fmadd_ps(av, bv[v], c[m][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + m * ldc + 8 * v, c[m][v]);
-}
-
-static void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
-                 const float* B, int64_t ldb, float* C, int64_t ldc) {
-  for (int64_t n0 = 0; n0 < N; n0 += 16) {
-    for (int64_t m0 = 0; m0 < M; m0 += 6) {
-      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
-      const float* a = A + m0 * sam;
-      const float* b = B + n0;
-      float* c = C + m0 * ldc + n0;
-      switch (mr) {
-        case 1: micro<1, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 2: micro<2, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 3: micro<3, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 4: micro<4, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 5: micro<5, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        default: micro<6, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-      }
-    }
-  }
+// C[M×N] = A[M×K] · B[K×N] in float (microkernel.h): blocks of 6 rows × 16 columns
+__attribute__((noinline)) static void gemm(int64_t M, int64_t N, int64_t K, const float* A,
+                                           int64_t sam, int64_t sak, const float* B, int64_t ldb,
+                                           float* C, int64_t ldc) {
+  gemm_blocks<F32x8, 6, 2>(M, N, K, A, sam, sak, B, ldb, C, ldc);
 }
 
 static inline V16 v_dsub(const double* x, double mul, double s, M16 keep) {
@@ -282,78 +250,16 @@ static inline V16 v_dsub(const double* x, double mul, double s, M16 keep) {
   return {_mm256_set_m128(r[1], r[0]), _mm256_set_m128(r[3], r[2])};
 }
 
-template <int MR, int NV>
-static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak, const double* B,
-                           int64_t ldb, double* C, int64_t ldc) {
-  __m256d c[MR][NV];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) c[m][v] = _mm256_setzero_pd();
-  for (int64_t k = 0; k < K; ++k) {
-    const double* b = B + k * ldb;
-    const double* a = A + k * sak;
-    __m256d bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_pd(b + 4 * v);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256d av = _mm256_set1_pd(a[m * sam]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[m][v] = _mm256_fmadd_pd(av, bv[v], c[m][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm256_storeu_pd(C + m * ldc + 4 * v, c[m][v]);
-}
-
-static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam, int64_t sak,
-                   const double* B, int64_t ldb, double* C, int64_t ldc) {
-  for (int64_t n0 = 0; n0 < N; n0 += 8) {
-    for (int64_t m0 = 0; m0 < M; m0 += 6) {
-      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
-      const double* a = A + m0 * sam;
-      const double* b = B + n0;
-      double* c = C + m0 * ldc + n0;
-      switch (mr) {
-        case 1: micro64<1, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 2: micro64<2, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 3: micro64<3, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 4: micro64<4, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 5: micro64<5, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        default: micro64<6, 2>(K, a, sam, sak, b, ldb, c, ldc); break;
-      }
-    }
-  }
+// C[M×N] = A[M×K] · B[K×N] in double: blocks of 6 rows × 8 columns
+__attribute__((noinline)) static void gemm64(int64_t M, int64_t N, int64_t K, const double* A,
+                                             int64_t sam, int64_t sak, const double* B,
+                                             int64_t ldb, double* C, int64_t ldc) {
+  gemm_blocks<F64x4, 6, 2>(M, N, K, A, sam, sak, B, ldb, C, ldc);
 }
 
 // P·V's float chains on AVX2: one per tile span (≤ 64 keys), not CHAIN keys (docs/cpu.md,
 // Accuracy): each chain's widening and double adds compete with the FMAs on this 16-register ISA.
 constexpr int64_t PV_CHAIN = BK;
-
-// p[m][·] = Σ_{k0 ≤ k < k1} A[m·sam + k·sak] · B[k·ldb + 0…15], fused, from 0, in order
-// (gemm's chain)
-template <int MR>
-static inline __attribute__((always_inline)) void chain_block(int64_t k0, int64_t k1, const float* A,
-                                                              int64_t sam, int64_t sak,
-                                                              const float* B, int64_t ldb,
-                                                              __m256 (&p)[MR][2]) {
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) p[m][0] = p[m][1] = _mm256_setzero_ps();
-#pragma GCC unroll 8
-  for (int64_t k = k0; k < k1; ++k) {
-    const float* b = B + k * ldb;
-    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 av = _mm256_broadcast_ss(A + m * sam + k * sak);
-      p[m][0] = _mm256_fmadd_ps(av, b0, p[m][0]);
-      p[m][1] = _mm256_fmadd_ps(av, b1, p[m][1]);
-    }
-  }
-}
 
 // the 8 floats of x as two vectors of 4 doubles (exact)
 static inline void widen8(__m256 x, __m256d& lo, __m256d& hi) {
@@ -383,7 +289,7 @@ __attribute__((noinline)) static void micro_scores(int64_t K, const float* A, in
   for (int64_t k0 = 0; k0 < K; k0 += SCORE_CHAIN) {
     const int64_t k1 = K - k0 < SCORE_CHAIN ? K : k0 + SCORE_CHAIN;
     __m256 p[MR][2];
-    chain_block<MR>(k0, k1, A, sam, 1, B, ldb, p);
+    chain_block<F32x8At, MR, 2, true>(k0, k1, A, sam, 1, B, ldb, p);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 2
@@ -426,7 +332,7 @@ __attribute__((noinline)) static void micro_pv(int64_t K, const float* A, int64_
                                                const float* B, int64_t ldb, double* D,
                                                int64_t ldd, const double* alpha) {
   __m256 p[MR][2];
-  chain_block<MR>(0, K, A, sam, sak, B, ldb, p);
+  chain_block<F32x8At, MR, 2, true>(0, K, A, sam, sak, B, ldb, p);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     double* d = D + m * ldd;

@@ -1,16 +1,18 @@
-// The SIMD layer for AVX-512 (F, BW, DQ, VL). Included by isa_avx512.cpp inside its namespace,
-// after a target pragma; kernel.h is written against the names defined here.
+// The SIMD layer for AVX-512 (F, BW, DQ, VL): the names isa_contract.h lists, for the avx512
+// and amx paths (isa_avx512.cpp, isa_amx.cpp include it inside their namespace, after a target
+// pragma).
 //
-// V16 is 16 floats (the unit of the elementwise passes: a 64-key tile row is 4 of them), M16 a
-// lane mask, U16 16 uint32 lanes (the dropout hash). gemm() is the register-blocked
-// micro-kernel of the float products (gemm_chain of the chained ones, gemm_acc and gemm_dp the
-// backward's).
-
-#define QKV_ISA_NAME "avx512"
+// V16 is one 16-float register, M16 a 16-bit lane mask, U16 16 uint32 lanes.
 
 struct V16 { __m512 v; };
 struct M16 { __mmask16 k; };
 struct U16 { __m512i v; };
+
+#include "microkernel.h"
+QKV_VECTOR_TRAITS(F32x16, float, __m512, 16, _mm512_setzero_ps(), _mm512_loadu_ps(p),
+                  _mm512_set1_ps(*p), _mm512_fmadd_ps(a, b, c), _mm512_storeu_ps(p, x));
+QKV_VECTOR_TRAITS(F64x8, double, __m512d, 8, _mm512_setzero_pd(), _mm512_loadu_pd(p),
+                  _mm512_set1_pd(*p), _mm512_fmadd_pd(a, b, c), _mm512_storeu_pd(p, x));
 
 // a·b + c exactly as gemm's micro-kernel forms it (fused where gemm fuses)
 static inline float madd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
@@ -191,76 +193,11 @@ static inline void transpose16(const float* src, int64_t lds, float* dst, int64_
   }
 }
 
-// C[M×N] = A[M×K] · B[K×N] in float, N a multiple of 16. A's element (m, k) is
-// A[m·sam + k·sak] (so Aᵀ is read by swapping the strides), B's row k starts at B + k·ldb.
-// Every C element is the sequential sum over k of fused multiply-adds, starting from 0,
-// whatever the blocking: the same (m, n) gets the same bits from any call.
-// p[m][v] = Σ_{k0 ≤ k < k1} A[m·sam + k·sak] · B[k·ldb + 16v …], fused, from 0, in order: the
-// float chain every micro-kernel below forms
-template <int MR, int NV>
-static inline __attribute__((always_inline)) void chain_block(int64_t k0, int64_t k1,
-                                                              const float* A, int64_t sam,
-                                                              int64_t sak, const float* B,
-                                                              int64_t ldb, __m512 (&p)[MR][NV]) {
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) p[m][v] = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; ++k) {
-    const float* b = B + k * ldb;
-    const float* a = A + k * sak;
-    __m512 bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m512 av = _mm512_set1_ps(a[m * sam]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) p[m][v] = _mm512_fmadd_ps(av, bv[v], p[m][v]);
-    }
-  }
-}
-
-template <int MR, int NV>
-static inline void micro(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
-                         int64_t ldb, float* C, int64_t ldc) {
-  __m512 c[MR][NV];
-  chain_block<MR, NV>(0, K, A, sam, sak, B, ldb, c);
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + m * ldc + 16 * v, c[m][v]);
-}
-
-template <int NV>
-static inline void micro_rows(int64_t mr, int64_t K, const float* A, int64_t sam, int64_t sak,
-                              const float* B, int64_t ldb, float* C, int64_t ldc) {
-  switch (mr) {
-    case 1: micro<1, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
-    case 2: micro<2, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
-    case 3: micro<3, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
-    case 4: micro<4, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
-    case 5: micro<5, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
-    default: micro<6, NV>(K, A, sam, sak, B, ldb, C, ldc); break;
-  }
-}
-
-static void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
-                 const float* B, int64_t ldb, float* C, int64_t ldc) {
-  for (int64_t n0 = 0; n0 < N; n0 += 64) {
-    const int64_t nv = (N - n0) / 16 < 4 ? (N - n0) / 16 : 4;
-    for (int64_t m0 = 0; m0 < M; m0 += 6) {
-      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
-      const float* a = A + m0 * sam;
-      float* c = C + m0 * ldc + n0;
-      switch (nv) {
-        case 1: micro_rows<1>(mr, K, a, sam, sak, B + n0, ldb, c, ldc); break;
-        case 2: micro_rows<2>(mr, K, a, sam, sak, B + n0, ldb, c, ldc); break;
-        case 3: micro_rows<3>(mr, K, a, sam, sak, B + n0, ldb, c, ldc); break;
-        default: micro_rows<4>(mr, K, a, sam, sak, B + n0, ldb, c, ldc); break;
-      }
-    }
-  }
+// C[M×N] = A[M×K] · B[K×N] in float (microkernel.h): blocks of 6 rows × 64 columns
+__attribute__((noinline)) static void gemm(int64_t M, int64_t N, int64_t K, const float* A,
+                                           int64_t sam, int64_t sak, const float* B, int64_t ldb,
+                                           float* C, int64_t ldc) {
+  gemm_blocks<F32x16, 6, 4>(M, N, K, A, sam, sak, B, ldb, C, ldc);
 }
 
 // float((keep ? x·mul : 0) − s) for 16 doubles x: one rounding (the backward's dP − Δ)
@@ -274,60 +211,10 @@ static inline V16 v_dsub(const double* x, double mul, double s, M16 keep) {
 
 // C[M×N] = A[M×K] · B[K×N] in double, N a multiple of 8; conventions of gemm. Used where fp32
 // products must be summed without rounding (products of floats are exact in double).
-template <int MR, int NV>
-static inline void micro64(int64_t K, const double* A, int64_t sam, int64_t sak, const double* B,
-                           int64_t ldb, double* C, int64_t ldc) {
-  __m512d c[MR][NV];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) c[m][v] = _mm512_setzero_pd();
-  for (int64_t k = 0; k < K; ++k) {
-    const double* b = B + k * ldb;
-    const double* a = A + k * sak;
-    __m512d bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_pd(b + 8 * v);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m512d av = _mm512_set1_pd(a[m * sam]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[m][v] = _mm512_fmadd_pd(av, bv[v], c[m][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_pd(C + m * ldc + 8 * v, c[m][v]);
-}
-
-static void gemm64(int64_t M, int64_t N, int64_t K, const double* A, int64_t sam, int64_t sak,
-                   const double* B, int64_t ldb, double* C, int64_t ldc) {
-  for (int64_t n0 = 0; n0 < N; n0 += 32) {
-    const int64_t nv = (N - n0) / 8 < 4 ? (N - n0) / 8 : 4;
-    for (int64_t m0 = 0; m0 < M; m0 += 6) {
-      const int64_t mr = M - m0 < 6 ? M - m0 : 6;
-      const double* a = A + m0 * sam;
-      double* c = C + m0 * ldc + n0;
-      const double* b = B + n0;
-#define QKV_M64(NVV)                                                   \
-  switch (mr) {                                                        \
-    case 1: micro64<1, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
-    case 2: micro64<2, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
-    case 3: micro64<3, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
-    case 4: micro64<4, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
-    case 5: micro64<5, NVV>(K, a, sam, sak, b, ldb, c, ldc); break;   \
-    default: micro64<6, NVV>(K, a, sam, sak, b, ldb, c, ldc); break; \
-  }
-      switch (nv) {
-        case 1: QKV_M64(1) break;
-        case 2: QKV_M64(2) break;
-        case 3: QKV_M64(3) break;
-        default: QKV_M64(4) break;
-      }
-#undef QKV_M64
-    }
-  }
+__attribute__((noinline)) static void gemm64(int64_t M, int64_t N, int64_t K, const double* A,
+                                             int64_t sam, int64_t sak, const double* B,
+                                             int64_t ldb, double* C, int64_t ldc) {
+  gemm_blocks<F64x8, 6, 4>(M, N, K, A, sam, sak, B, ldb, C, ldc);
 }
 
 // The chains as the AVX2 path forms them (docs/cpu.md, Accuracy), so both give the same bits:
@@ -354,7 +241,7 @@ static inline void micro_chain(int64_t K, const float* A, int64_t sam, const flo
   for (int64_t k0 = 0; k0 < K; k0 += SCORE_CHAIN) {
     const int64_t k1 = K - k0 < SCORE_CHAIN ? K : k0 + SCORE_CHAIN;
     __m512 p[MR][NV];
-    chain_block<MR, NV>(k0, k1, A, sam, 1, B, ldb, p);
+    chain_block<F32x16, MR, NV>(k0, k1, A, sam, 1, B, ldb, p);
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -395,7 +282,7 @@ template <int MR, int NV>
 static inline void micro_pv(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
                             int64_t ldb, double* D, int64_t ldd, const double* alpha) {
   __m512 p[MR][NV];
-  chain_block<MR, NV>(0, K, A, sam, sak, B, ldb, p);
+  chain_block<F32x16, MR, NV>(0, K, A, sam, sak, B, ldb, p);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     double* d = D + m * ldd;

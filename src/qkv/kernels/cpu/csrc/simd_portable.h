@@ -1,15 +1,15 @@
-// The portable SIMD layer: plain C++ over arrays of 16 (see simd_avx512.h for what each name
-// means); the compiler vectorises what it can for the baseline ISA. Without FMA every
-// product-sum is a multiply then an add: results differ from the AVX paths' in the last bits,
-// but within this path the forward and the backward still compute the same scores.
-
-#define QKV_ISA_NAME "portable"
+// The portable SIMD layer: the names isa_contract.h lists, in plain C++ over arrays of 16; the
+// compiler vectorises what it can for the baseline ISA. Without FMA every product-sum is a
+// multiply then an add: results differ from the AVX paths' in the last bits, but within this
+// path the forward and the backward still compute the same scores.
 
 struct V16 { float x[16]; };
 struct M16 { uint32_t k; };
 struct U16 { uint32_t x[16]; };
 
 #define QKV_LANES for (int i = 0; i < 16; ++i)
+
+#include "microkernel.h"
 
 // a·b + c exactly as gemm's micro-kernel forms it (fused where gemm fuses)
 static inline float madd(float a, float b, float c) { return a * b + c; }
@@ -128,40 +128,13 @@ static inline void transpose16(const float* src, int64_t lds, float* dst, int64_
     for (int c = 0; c < 16; ++c) dst[c * ldd + r] = src[r * lds + c];
 }
 
-template <int MR>
-static inline void micro(int64_t K, const float* A, int64_t sam, int64_t sak, const float* B,
-                         int64_t ldb, float* C, int64_t ldc) {
-  float c[MR][16];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < 16; ++n) c[m][n] = 0.0f;
-  for (int64_t k = 0; k < K; ++k) {
-    const float* b = B + k * ldb;
-    const float* a = A + k * sak;
-    for (int m = 0; m < MR; ++m) {
-      const float av = a[m * sam];
-      for (int n = 0; n < 16; ++n) c[m][n] = c[m][n] + av * b[n];
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < 16; ++n) C[m * ldc + n] = c[m][n];
-}
-
-static void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,
-                 const float* B, int64_t ldb, float* C, int64_t ldc) {
-  for (int64_t n0 = 0; n0 < N; n0 += 16) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int64_t mr = M - m0 < 4 ? M - m0 : 4;
-      const float* a = A + m0 * sam;
-      const float* b = B + n0;
-      float* c = C + m0 * ldc + n0;
-      switch (mr) {
-        case 1: micro<1>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 2: micro<2>(K, a, sam, sak, b, ldb, c, ldc); break;
-        case 3: micro<3>(K, a, sam, sak, b, ldb, c, ldc); break;
-        default: micro<4>(K, a, sam, sak, b, ldb, c, ldc); break;
-      }
-    }
-  }
+// C[M×N] = A[M×K] · B[K×N] (microkernel.h): blocks of 4 rows × 16 columns, one float a lane,
+// products and sums unfused (madd)
+QKV_VECTOR_TRAITS(F32x1, float, float, 1, 0.0f, *p, *p, madd(a, b, c), *p = x);
+__attribute__((noinline)) static void gemm(int64_t M, int64_t N, int64_t K, const float* A,
+                                           int64_t sam, int64_t sak, const float* B, int64_t ldb,
+                                           float* C, int64_t ldc) {
+  gemm_blocks<F32x1, 4, 16>(M, N, K, A, sam, sak, B, ldb, C, ldc);
 }
 #undef QKV_LANES
 

@@ -33,58 +33,66 @@ inline uint64_t span_bits(int64_t a, int64_t b, int64_t first) {
   return a > b ? 0 : low_bits(b - a + 1) << (a - first);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-tile_layout(const std::optional<at::Tensor>& lo_in, const std::optional<at::Tensor>& hi_in,
-            const std::optional<at::Tensor>& keys_in, int64_t nq, int64_t nk, int64_t block_q,
-            bool causal) {
-  TORCH_CHECK(nq > 0 && nk > 0 && block_q > 0, "tile_layout: nq, nk and block_q must be positive");
-  TORCH_CHECK(lo_in.has_value() == hi_in.has_value(), "tile_layout: give both lo and hi, or none");
-  at::Tensor lo_t, hi_t, keys;
-  int64_t R = 1;
-  if (lo_in.has_value()) {
-    lo_t = lo_in->contiguous();
-    hi_t = hi_in->contiguous();
-    TORCH_CHECK(lo_t.scalar_type() == at::kLong && hi_t.scalar_type() == at::kLong &&
-                    lo_t.dim() == 2 && lo_t.sizes() == hi_t.sizes() && lo_t.size(1) == nq,
-                "tile_layout: lo and hi must be int64 (R, Nq) tensors");
-    R = lo_t.size(0);
-  }
-  int64_t bm = 1, hm = 1;
-  if (keys_in.has_value()) {
-    keys = keys_in->contiguous();
-    TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kBool && keys.size(2) == nk,
-                "tile_layout: keys must be a bool (Bm, Hm, Nk) tensor");
-    bm = keys.size(0);
-    hm = keys.size(1);
-  }
-  const int64_t bh = bm * hm;
-  const int64_t nqb = (nq + block_q - 1) / block_q, nkb = (nk + BK - 1) / BK;
-  const int64_t* lo = lo_in.has_value() ? lo_t.data_ptr<int64_t>() : nullptr;
-  const int64_t* hi = lo_in.has_value() ? hi_t.data_ptr<int64_t>() : nullptr;
+// The rows' allowed keys, as both passes read them: R intervals per row (absent: every key),
+// clamped to the keys and to causality, and the key mask's bits per (b, h) and key tile
+struct Rows {
+  int64_t nq, nk, block_q, R = 1, bm = 1, hm = 1, bh = 1, nkb;
+  bool causal;
+  at::Tensor lo_t, hi_t, keys;  // kept alive: lo and hi point into them
+  const int64_t* lo = nullptr;
+  const int64_t* hi = nullptr;
+  std::vector<uint64_t> kbits;  // (bh, nkb), or empty: a tile's keys inside Nk
+  std::vector<uint64_t> row_bits;  // tile_rows' result, block_q rows
 
-  // the key bits of each (b, h) and key tile; without keys, a tile's keys inside Nk
-  std::vector<uint64_t> kbits;
-  if (keys_in.has_value()) {
-    const bool* kp = keys.data_ptr<bool>();
-    kbits.assign((size_t)(bh * nkb), 0);
-    for (int64_t s = 0; s < bh; ++s)
-      for (int64_t c = 0; c < nk; ++c)
-        if (kp[s * nk + c]) kbits[(size_t)(s * nkb + c / BK)] |= uint64_t(1) << (c % BK);
+  Rows(const std::optional<at::Tensor>& lo_in, const std::optional<at::Tensor>& hi_in,
+       const std::optional<at::Tensor>& keys_in, int64_t nq_, int64_t nk_, int64_t block_q_,
+       bool causal_)
+      : nq(nq_), nk(nk_), block_q(block_q_), nkb((nk_ + BK - 1) / BK), causal(causal_) {
+    TORCH_CHECK(nq > 0 && nk > 0 && block_q > 0,
+                "tile_layout: nq, nk and block_q must be positive");
+    TORCH_CHECK(lo_in.has_value() == hi_in.has_value(),
+                "tile_layout: give both lo and hi, or none");
+    if (lo_in.has_value()) {
+      lo_t = lo_in->contiguous();
+      hi_t = hi_in->contiguous();
+      TORCH_CHECK(lo_t.scalar_type() == at::kLong && hi_t.scalar_type() == at::kLong &&
+                      lo_t.dim() == 2 && lo_t.sizes() == hi_t.sizes() && lo_t.size(1) == nq,
+                  "tile_layout: lo and hi must be int64 (R, Nq) tensors");
+      R = lo_t.size(0);
+      lo = lo_t.data_ptr<int64_t>();
+      hi = hi_t.data_ptr<int64_t>();
+    }
+    if (keys_in.has_value()) {
+      keys = keys_in->contiguous();
+      TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kBool && keys.size(2) == nk,
+                  "tile_layout: keys must be a bool (Bm, Hm, Nk) tensor");
+      bm = keys.size(0);
+      hm = keys.size(1);
+    }
+    bh = bm * hm;
+    // the key bits of each (b, h) and key tile
+    if (keys_in.has_value()) {
+      const bool* kp = keys.data_ptr<bool>();
+      kbits.assign((size_t)(bh * nkb), 0);
+      for (int64_t s = 0; s < bh; ++s)
+        for (int64_t c = 0; c < nk; ++c)
+          if (kp[s * nk + c]) kbits[(size_t)(s * nkb + c / BK)] |= uint64_t(1) << (c % BK);
+    }
+    row_bits.resize((size_t)block_q);
   }
-  auto key_bits = [&](int64_t s, int64_t j) -> uint64_t {
+
+  uint64_t key_bits(int64_t s, int64_t j) const {
     return kbits.empty() ? low_bits(nk - j * BK) : kbits[(size_t)(s * nkb + j)];
-  };
+  }
   // interval k of row r, clamped to the keys and to causality: [a, b], empty when a > b
-  auto interval = [&](int64_t k, int64_t r) -> std::pair<int64_t, int64_t> {
+  std::pair<int64_t, int64_t> interval(int64_t k, int64_t r) const {
     int64_t a = lo ? lo[k * nq + r] : 0, b = hi ? hi[k * nq + r] : nk - 1;
     if (causal) b = std::min(b, r + nk - nq);
     return {std::max<int64_t>(a, 0), std::min(b, nk - 1)};
-  };
-
+  }
   // the allowed keys of rows r0 … r0 + block_q − 1 of query tile i in key tile j, before the
-  // key mask (rows past Nq: none)
-  std::vector<uint64_t> row_bits((size_t)block_q);
-  auto tile_rows = [&](int64_t i, int64_t j) {
+  // key mask (rows past Nq: none), into row_bits
+  void tile_rows(int64_t i, int64_t j) {
     const int64_t r0 = i * block_q, r1 = std::min(nq, r0 + block_q);
     const int64_t first = j * BK, last = std::min(nk, first + BK) - 1;
     for (int64_t r = r0; r < r0 + block_q; ++r) {
@@ -95,21 +103,31 @@ tile_layout(const std::optional<at::Tensor>& lo_in, const std::optional<at::Tens
       }
       row_bits[(size_t)(r - r0)] = rb;
     }
-  };
+  }
+};
 
-  // pass 1: which tiles are kept, and which of those are FULL (code −1) or PARTIAL (code p)
-  std::vector<int64_t> t_row, t_col;
+// The kept tiles in row order: query tile, key tile, code (−1 FULL, else the PARTIAL tile's
+// index into the bits)
+struct Kept {
+  std::vector<int64_t> row, col;
   std::vector<int32_t> code;
   int64_t parts = 0;
+};
+
+// Pass 1: which tiles are kept, and which of those are FULL or PARTIAL
+Kept kept_tiles(Rows& rows) {
+  const int64_t nq = rows.nq, nk = rows.nk, block_q = rows.block_q;
+  const int64_t nqb = (nq + block_q - 1) / block_q;
+  Kept kept;
   std::vector<std::pair<int64_t, int64_t>> spans;  // candidate key tiles of a query tile
   for (int64_t i = 0; i < nqb; ++i) {
     const int64_t r0 = i * block_q, r1 = std::min(nq, r0 + block_q);
     // candidate key tiles: each interval's tile span over the rows, merged
     spans.clear();
-    for (int64_t k = 0; k < R; ++k) {
-      int64_t t0 = nkb, t1 = -1;
+    for (int64_t k = 0; k < rows.R; ++k) {
+      int64_t t0 = rows.nkb, t1 = -1;
       for (int64_t r = r0; r < r1; ++r) {
-        const auto [a, b] = interval(k, r);
+        const auto [a, b] = rows.interval(k, r);
         if (a > b) continue;
         t0 = std::min(t0, a / BK);
         t1 = std::max(t1, b / BK);
@@ -120,61 +138,70 @@ tile_layout(const std::optional<at::Tensor>& lo_in, const std::optional<at::Tens
     int64_t next = 0;  // key tiles below `next` are done
     for (const auto& [s0, s1] : spans) {
       for (int64_t j = std::max(s0, next); j <= s1; ++j) {
-        tile_rows(i, j);
+        rows.tile_rows(i, j);
         const uint64_t inside = low_bits(nk - j * BK);
         bool any = false, full = true;
-        for (int64_t s = 0; s < bh; ++s) {
-          const uint64_t kb = key_bits(s, j);
+        for (int64_t s = 0; s < rows.bh; ++s) {
+          const uint64_t kb = rows.key_bits(s, j);
           for (int64_t r = 0; r < r1 - r0; ++r) {
-            const uint64_t b = row_bits[(size_t)r] & kb;
+            const uint64_t b = rows.row_bits[(size_t)r] & kb;
             any |= b != 0;
             full &= b == inside;
           }
         }
         if (!any) continue;
-        t_row.push_back(i);
-        t_col.push_back(j);
-        code.push_back(full ? -1 : (int32_t)parts++);
+        kept.row.push_back(i);
+        kept.col.push_back(j);
+        kept.code.push_back(full ? -1 : (int32_t)kept.parts++);
       }
       next = std::max(next, s1 + 1);
     }
   }
+  return kept;
+}
 
-  const int64_t nnz = (int64_t)t_row.size();
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+tile_layout(const std::optional<at::Tensor>& lo_in, const std::optional<at::Tensor>& hi_in,
+            const std::optional<at::Tensor>& keys_in, int64_t nq, int64_t nk, int64_t block_q,
+            bool causal) {
+  Rows rows(lo_in, hi_in, keys_in, nq, nk, block_q, causal);
+  const Kept kept = kept_tiles(rows);
+  const int64_t nqb = (nq + block_q - 1) / block_q, nkb = rows.nkb, bh = rows.bh;
+  const int64_t nnz = (int64_t)kept.row.size();
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   const auto i32 = at::TensorOptions().dtype(at::kInt);
   at::Tensor row_ptr = at::zeros({nqb + 1}, i64), col_ptr = at::zeros({nkb + 1}, i64);
   at::Tensor col_idx = at::empty({nnz}, i32), code_f = at::empty({nnz}, i32);
   at::Tensor row_idx = at::empty({nnz}, i32), code_t = at::empty({nnz}, i32);
-  at::Tensor bits_t = at::empty({parts, bm, hm, block_q}, i64);
+  at::Tensor bits_t = at::empty({kept.parts, rows.bm, rows.hm, block_q}, i64);
   int64_t* rp = row_ptr.data_ptr<int64_t>();
   int64_t* cp = col_ptr.data_ptr<int64_t>();
   for (int64_t t = 0; t < nnz; ++t) {
-    ++rp[t_row[(size_t)t] + 1];
-    ++cp[t_col[(size_t)t] + 1];
-    col_idx.data_ptr<int32_t>()[t] = (int32_t)t_col[(size_t)t];
-    code_f.data_ptr<int32_t>()[t] = code[(size_t)t];
+    ++rp[kept.row[(size_t)t] + 1];
+    ++cp[kept.col[(size_t)t] + 1];
+    col_idx.data_ptr<int32_t>()[t] = (int32_t)kept.col[(size_t)t];
+    code_f.data_ptr<int32_t>()[t] = kept.code[(size_t)t];
   }
   for (int64_t i = 0; i < nqb; ++i) rp[i + 1] += rp[i];
   for (int64_t j = 0; j < nkb; ++j) cp[j + 1] += cp[j];
   // by key-tile column, top to bottom (the tiles are in row order: a stable counting sort)
   std::vector<int64_t> slot(cp, cp + nkb);
   for (int64_t t = 0; t < nnz; ++t) {
-    const int64_t at = slot[(size_t)t_col[(size_t)t]]++;
-    row_idx.data_ptr<int32_t>()[at] = (int32_t)t_row[(size_t)t];
-    code_t.data_ptr<int32_t>()[at] = code[(size_t)t];
+    const int64_t at = slot[(size_t)kept.col[(size_t)t]]++;
+    row_idx.data_ptr<int32_t>()[at] = (int32_t)kept.row[(size_t)t];
+    code_t.data_ptr<int32_t>()[at] = kept.code[(size_t)t];
   }
   // pass 2: the bits of the PARTIAL tiles, written in place (no growing buffer: O(kept) memory)
   uint64_t* bp = reinterpret_cast<uint64_t*>(bits_t.data_ptr<int64_t>());
   for (int64_t t = 0; t < nnz; ++t) {
-    const int32_t p = code[(size_t)t];
+    const int32_t p = kept.code[(size_t)t];
     if (p < 0) continue;
-    const int64_t j = t_col[(size_t)t];
-    tile_rows(t_row[(size_t)t], j);
+    const int64_t j = kept.col[(size_t)t];
+    rows.tile_rows(kept.row[(size_t)t], j);
     for (int64_t s = 0; s < bh; ++s) {
-      const uint64_t kb = key_bits(s, j);
+      const uint64_t kb = rows.key_bits(s, j);
       uint64_t* out = bp + ((int64_t)p * bh + s) * block_q;
-      for (int64_t r = 0; r < block_q; ++r) out[r] = row_bits[(size_t)r] & kb;
+      for (int64_t r = 0; r < block_q; ++r) out[r] = rows.row_bits[(size_t)r] & kb;
     }
   }
   return {row_ptr, col_idx, code_f, col_ptr, row_idx, code_t, bits_t};

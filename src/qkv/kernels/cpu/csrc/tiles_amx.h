@@ -2,8 +2,8 @@
 // float32 ones. Included by isa_amx.cpp after simd_avx512.h, inside its namespace; kernel.h reads
 // TILE_BF16, tile_gemm (the scores), tile_pack_rows, tile_put_p and tile_pv (the forward's P·V),
 // and for float32 TILE_F32, tile_pack_rows3, tile_pack_keys3 and tile_chain3 (the scores, in
-// three bfloat16 parts per value; below). Without this file (every other ISA) kernel.h's
-// stand-ins say "no tiles" and the float micro-kernels run every product.
+// three bfloat16 parts per value; below): the tile part of isa_contract.h. Every other ISA has
+// tiles_none.h instead, whose stand-ins say "no tiles": the float micro-kernels run every product.
 //
 // A tile product C += A·B takes A as 16 rows × 32 bfloat16 and B as 16 rows of 16 bfloat16
 // pairs (B's rows 2p and 2p + 1 interleaved, the "VNNI" layout) and sums in float32: each
@@ -16,7 +16,6 @@
 // most 2⁻¹⁶ of x.
 // Subnormal inputs and results are flushed to zero by the unit (below 1.2e-38 in magnitude).
 
-#define QKV_TILE_BF16 1
 static constexpr bool TILE_BF16 = true;
 
 // K per tile step and the most K one call takes (longer products use the float kernels)
@@ -40,6 +39,46 @@ static inline void tiles_on() {
     c.rows[t] = 16;
   }
   _tile_loadconfig(&c);
+}
+
+// The C tiles 0–3, holding nt (1 … 4) blocks of 16 columns: zeroed; loaded from and stored to
+// c + 16·t (ld bytes a row); C tile t += A tile 4 · the B tile at b + 256·t (through tile 5)
+static inline __attribute__((always_inline)) void c_tiles_zero() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+static inline __attribute__((always_inline)) void c_tiles_load(int64_t nt, const float* c,
+                                                              int64_t ld) {
+  if (nt > 0) _tile_loadd(0, c, ld);
+  if (nt > 1) _tile_loadd(1, c + 16, ld);
+  if (nt > 2) _tile_loadd(2, c + 32, ld);
+  if (nt > 3) _tile_loadd(3, c + 48, ld);
+}
+static inline __attribute__((always_inline)) void c_tiles_store(int64_t nt, float* c, int64_t ld) {
+  _tile_stored(0, c, ld);
+  if (nt > 1) _tile_stored(1, c + 16, ld);
+  if (nt > 2) _tile_stored(2, c + 32, ld);
+  if (nt > 3) _tile_stored(3, c + 48, ld);
+}
+static inline __attribute__((always_inline)) void c_tiles_dp(int64_t nt, const uint32_t* b) {
+  if (nt > 0) {
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+  }
+  if (nt > 1) {
+    _tile_loadd(5, b + 256, 64);
+    _tile_dpbf16ps(1, 4, 5);
+  }
+  if (nt > 2) {
+    _tile_loadd(5, b + 512, 64);
+    _tile_dpbf16ps(2, 4, 5);
+  }
+  if (nt > 3) {
+    _tile_loadd(5, b + 768, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
 }
 
 // 16 floats → 16 bfloat16, round to nearest even (the unit's own conversion)
@@ -113,30 +152,15 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
       for (int64_t kk = 0; kk < nk && !apack; ++kk)
         pack_a(A + m0 * lda + kk * TILE_K, lda, rows, K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K,
                ah + kk * 512, 1.0f);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      c_tiles_zero();
       for (int64_t kk = 0; kk < nk; ++kk) {
         _tile_loadd(4, apack ? apack + (m0 / 16 * nk + kk) * 512 : ah + kk * 512, 64);
-#define QKV_TILE_STEP(T)                         \
-  if (nt > T) {                                  \
-    _tile_loadd(5, bt + (kk * 4 + T) * 256, 64); \
-    _tile_dpbf16ps(T, 4, 5);                     \
-  }
-        QKV_TILE_STEP(0)
-        QKV_TILE_STEP(1)
-        QKV_TILE_STEP(2)
-        QKV_TILE_STEP(3)
-#undef QKV_TILE_STEP
+        c_tiles_dp(nt, bt + kk * 4 * 256);
       }
       // 16 rows straight into C; a last block of fewer rows through cs
       float* c = rows == 16 ? C + m0 * ldc + n0 : cs;
       const int64_t ld = rows == 16 ? ldc * 4 : 256;
-      _tile_stored(0, c, ld);
-      if (nt > 1) _tile_stored(1, c + 16, ld);
-      if (nt > 2) _tile_stored(2, c + 32, ld);
-      if (nt > 3) _tile_stored(3, c + 48, ld);
+      c_tiles_store(nt, c, ld);
       for (int64_t r = 0; r < rows && rows < 16; ++r)
         for (int64_t x = 0; x < 16 * nt; x += 16)
           _mm512_storeu_ps(C + (m0 + r) * ldc + n0 + x, _mm512_loadu_ps(cs + r * 64 + x));
@@ -178,33 +202,12 @@ static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ap,
     for (int64_t t0 = 0; t0 < ntt; t0 += 4) {
       const int64_t nt = ntt - t0 < 4 ? ntt - t0 : 4;
       float* c = acc + m0 * ldc + 16 * t0;
-#define QKV_TILE_LOAD(T) \
-  if (nt > T) _tile_loadd(T, c + 16 * T, ldc * 4);
-      QKV_TILE_LOAD(0)
-      QKV_TILE_LOAD(1)
-      QKV_TILE_LOAD(2)
-      QKV_TILE_LOAD(3)
-#undef QKV_TILE_LOAD
+      c_tiles_load(nt, c, ldc * 4);
       for (int64_t kk = 0; kk < nk; ++kk) {
         _tile_loadd(4, ap + (m0 / 16 * 2 + kk) * 512, 64);
-#define QKV_TILE_STEP(T)                                    \
-  if (nt > T) {                                             \
-    _tile_loadd(5, bt + (kk * ntt + t0 + T) * 256, 64);     \
-    _tile_dpbf16ps(T, 4, 5);                                \
-  }
-        QKV_TILE_STEP(0)
-        QKV_TILE_STEP(1)
-        QKV_TILE_STEP(2)
-        QKV_TILE_STEP(3)
-#undef QKV_TILE_STEP
+        c_tiles_dp(nt, bt + (kk * ntt + t0) * 256);
       }
-#define QKV_TILE_STORE(T) \
-  if (nt > T) _tile_stored(T, c + 16 * T, ldc * 4);
-      QKV_TILE_STORE(0)
-      QKV_TILE_STORE(1)
-      QKV_TILE_STORE(2)
-      QKV_TILE_STORE(3)
-#undef QKV_TILE_STORE
+      c_tiles_store(nt, c, ldc * 4);
     }
   }
   _tile_release();
@@ -348,12 +351,7 @@ static inline void chain3_block(int64_t N, int64_t K, const uint16_t* a, const u
                                 int64_t t0, float* cs, int64_t ldc = 0) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, nt = N / 16;
   for (int64_t kk = 0; kk < nk; ++kk) {
-    if (kk == 0 || !ldc) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-    }
+    if (kk == 0 || !ldc) c_tiles_zero();
     const uint16_t* ak = a + kk * 3 * 512;
     const uint32_t* b = bpack + (kk * 4 + t0) * 3 * 256;
     // each pass of one A part and one B part runs over the four C tiles, so consecutive
@@ -373,12 +371,7 @@ static inline void chain3_block(int64_t N, int64_t K, const uint16_t* a, const u
     QKV_PASS(0)
 #undef QKV_PASS
     if (ldc && kk + 1 < nk) continue;
-    float* c = ldc ? cs : cs + kk * 1024;
-    const int64_t ld = ldc ? ldc * 4 : 256;
-    _tile_stored(0, c, ld);
-    if (nt > 1) _tile_stored(1, c + 16, ld);
-    if (nt > 2) _tile_stored(2, c + 32, ld);
-    if (nt > 3) _tile_stored(3, c + 48, ld);
+    c_tiles_store(nt, ldc ? cs : cs + kk * 1024, ldc ? ldc * 4 : 256);
   }
 }
 
@@ -396,12 +389,7 @@ static inline void chain3_pair(int64_t K, const uint16_t* a, const uint32_t* bpa
   static constexpr int A_PART[6] = {2, 1, 1, 0, 0, 0}, B_PART[6] = {0, 1, 0, 2, 1, 0};
   for (int64_t half = 0; half < 2; ++half) {
     for (int64_t kk = 0; kk < nk; ++kk) {
-      if (kk == 0 || !ldc) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      }
+      if (kk == 0 || !ldc) c_tiles_zero();
       const uint32_t* b = bpack + (kk * 4 + 2 * half) * 3 * 256;
       for (int p = 0; p < 6; ++p) {
         if (p == 0 || A_PART[p] != A_PART[p - 1]) {
@@ -585,20 +573,14 @@ static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, int
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
     for (int64_t t0 = 0; t0 < ntt; t0 += 4) {
       const int64_t nt = ntt - t0 < 4 ? ntt - t0 : 4;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      c_tiles_zero();
       int reg = 0;
       for (int64_t kk = 0; kk < nk; ++kk)
         for (int p = parts - 1; p >= 0; --p) {
           _tile_loadd(4, apack + ((m0 / 16 * nk + kk) * parts + p) * 512, 64);
           for (int64_t t = 0; t < nt; ++t) dp_next_b(reg, t, bt + (kk * ntt + t0 + t) * 256);
         }
-      _tile_stored(0, cs, 256);
-      if (nt > 1) _tile_stored(1, cs + 16, 256);
-      if (nt > 2) _tile_stored(2, cs + 32, 256);
-      if (nt > 3) _tile_stored(3, cs + 48, 256);
+      c_tiles_store(nt, cs, 256);
       for (int64_t r = 0; r < rows; ++r) {
         double* d = D + (m0 + r) * ldd + 16 * t0;
         for (int64_t x = 0; x < 16 * nt; x += 16) {

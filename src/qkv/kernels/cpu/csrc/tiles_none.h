@@ -1,0 +1,36 @@
+// The tile layer of a path without a tile unit (avx512, avx2, portable): every name of
+// isa_contract.h's tile part, saying "no tiles". TILE_BF16 and TILE_F32 are false, so kernel.h
+// never calls the functions (on_tiles, bwd_on_tiles and scores_on_tiles are false) and the float
+// micro-kernels run every product; they exist so that the kernel compiles unchanged, and do
+// nothing. tiles_amx.h is the path with a tile unit.
+
+static constexpr bool TILE_BF16 = false;
+constexpr int64_t TILE_K_MAX = 0;
+constexpr int64_t TILE_PV_N = 0;
+static constexpr bool TILE_F32 = false;
+
+// bfloat16 products
+static inline bool tile_gemm(int64_t, int64_t, int64_t, const float*, int64_t, const uint16_t*,
+                             const float*, int64_t, float*, int64_t) {
+  return false;
+}
+static inline int64_t tile_a_elems(int64_t, int64_t) { return 0; }
+static inline void tile_pack_rows(int64_t, int64_t, const float*, int64_t, uint16_t*, float) {}
+static inline void tile_put_p(V16, V16, uint16_t*, int64_t, int64_t) {}
+static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
+                           float*, int64_t, const double*) {}
+static inline void tile_pack_a(int64_t, int64_t, const float*, int64_t, bool, int, uint16_t*) {}
+static inline void tile_acc(int64_t, int64_t, int64_t, const uint16_t*, int, const float*, int64_t,
+                            uint32_t*, double*, int64_t) {}
+
+// float32 scores in three bfloat16 parts
+static inline int64_t tile_a3_elems(int64_t, int64_t) { return 0; }
+static inline void tile_pack_rows3(int64_t, int64_t, const float*, int64_t, uint16_t*, int8_t*,
+                                   float) {}
+static inline bool tile_scale_folds(float) { return false; }
+static inline int64_t tile_b3_elems(int64_t) { return 0; }
+static inline uint64_t tile_pack_keys3(int64_t, const float*, int64_t, uint32_t*) { return 0; }
+static inline void tile_chain3(int64_t, int64_t, int64_t, const uint16_t*, const uint32_t*,
+                               int64_t, float*, int64_t, double, bool) {}
+static inline void tile_chain3_f64(int64_t, int64_t, const uint16_t*, const uint32_t*, double*,
+                                   int64_t) {}
