@@ -41,9 +41,12 @@ def weighted_values(p: torch.Tensor, v: torch.Tensor, v_finite: bool) -> torch.T
     return torch.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), torch.nan, out)
 
 
-def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int = 8192):
-    """`(a ∘ b).sum(-1)` computed in `dtype`, a few thousand rows at a time (converting
-    whole O(N·d) tensors to float64 at once costs far more, mostly in fresh pages)."""
+def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int | None = None):
+    """`(a ∘ b).sum(-1)` computed in `dtype`, a chunk of rows at a time: 8192 on the CPU
+    (converting whole O(N·d) tensors to float64 at once costs far more, mostly in fresh pages),
+    64 MiB of `dtype` per operand on a GPU (where each chunk's four launches cost more)."""
+    if rows is None:
+        rows = 8192 if a.device.type == "cpu" else max(1, (64 << 20) // (a.shape[-1] * 8))
     a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
     out = torch.empty(a2.shape[0], dtype=dtype, device=a.device)
     for i in range(0, a2.shape[0], rows):

@@ -125,7 +125,8 @@ class TritonBackend:
             bwd_block=bwd,
             fwd_warps=self.num_warps or base.fwd_warps,
             bwd_warps=self.num_warps or base.bwd_warps,
-            stages=self.num_stages or base.stages,
+            fwd_stages=self.num_stages or base.fwd_stages,
+            bwd_stages=self.num_stages or base.bwd_stages,
         )
 
     def why_not(

@@ -256,23 +256,24 @@ def pad_dim(d: int) -> int:
 
 @dataclass(frozen=True)
 class Config:
-    """Tile sizes and launch parameters. Defaults (by padded head dim) follow the Triton
-    fused-attention tutorial's choices; they are not yet tuned on a GPU (the gpu
-    benchmark suite sweeps a few)."""
+    """Tile sizes and launch parameters. Defaults by padded head dim: D ≤ 64 follows the Triton
+    fused-attention tutorial; D = 128 is the fastest forward and the fastest backward of the
+    gpu benchmark suite's tile sweep on an H200 (docs/benchmarks.md, section gpu)."""
 
     fwd_block: tuple[int, int]  # (query rows, keys) per forward tile
     bwd_block: tuple[int, int]  # (query rows, keys) per backward tile (dK/dV and dQ)
     fwd_warps: int
     bwd_warps: int
-    stages: int
+    fwd_stages: int
+    bwd_stages: int
 
 
 def default_config(d_pad: int) -> Config:
     if d_pad <= 64:
-        return Config((128, 64), (64, 64), 4, 4, 3)
+        return Config((128, 64), (64, 64), 4, 4, 3, 3)
     if d_pad <= 128:
-        return Config((128, 64), (64, 64), 8, 8, 2)
-    return Config((64, 32), (32, 32), 4, 4, 1)
+        return Config((128, 128), (64, 64), 8, 4, 2, 3)
+    return Config((64, 32), (32, 32), 4, 4, 1, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,7 +401,7 @@ class Call:
                 BLOCK_M=bm, BLOCK_N=bn, HAS_BANK=layout.bank is not None,
                 GUARD_FULL=guard and (self.bias is not None or self.drop is not None),
                 GUARD_PART=guard,
-                num_warps=self.config.fwd_warps, num_stages=self.config.stages,
+                num_warps=self.config.fwd_warps, num_stages=self.config.fwd_stages,
                 **meta,
             )  # fmt: skip
         empty = l == 0
@@ -458,7 +459,7 @@ class Call:
             BLOCK_N=bn,
             HAS_BANK=layout.bank is not None,
             num_warps=self.config.bwd_warps,
-            num_stages=self.config.stages,
+            num_stages=self.config.bwd_stages,
             **meta,
         )
         K._attn_bwd_dkdv[(triton_cdiv(Nk, bn), B * Hkv)](
