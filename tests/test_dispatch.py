@@ -142,7 +142,7 @@ def test_auto_result_equals_chosen_backend(qkv3):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "portable"])
+@pytest.mark.parametrize("isa", ["amx", "avx512bf16", "avx512", "avx2", "portable"])
 def test_each_path_follows_its_measured_crossovers(isa, monkeypatch):
     # On requests SDPA can run exactly, auto takes the winner of the path's table (the
     # defaults here: conftest sets QKV_CROSSOVERS=default); the others stay on the kernel

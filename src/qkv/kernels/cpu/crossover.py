@@ -32,9 +32,9 @@ Where the tables come from, in order (`basis(isa)` says which one answers):
    sources in its name) with the qkv version; a table for another qkv version is not read.
 2. `default`: `crossovers_default.json` in this package, one table per path, each measured on
    the machine its `measured_on` names with the same `qkv tune` (`python -m
-   benchmarks.crossover_defaults` writes it); the `amx` path, which has none, reads the
-   `avx512` one. `QKV_CROSSOVERS=default` makes `auto` read these even where a calibration
-   exists.
+   benchmarks.crossover_defaults` writes it); the `amx` and `avx512bf16` paths, which have
+   none, read the `avx512` one. `QKV_CROSSOVERS=default` makes `auto` read these even where a
+   calibration exists.
 
 Nothing is measured on a user's call: the tables are read once per process (`clear()` forgets
 them, and `QKV_CROSSOVERS` is read again, for tests and after `qkv tune`), decisions are
@@ -59,7 +59,8 @@ ENV = "QKV_CROSSOVERS"  # "default": ignore this machine's calibration (tests, c
 DECODE_ROWS = 16  # queries up to which a request against a longer cache is a decoding step
 CALIBRATED = "crossovers.json"
 DEFAULTS = Path(__file__).resolve().parent / "crossovers_default.json"
-STAND_INS = {"amx": "avx512"}  # a path without a default table of its own -> the one that stands in
+# a path without a default table of its own -> the one that stands in
+STAND_INS = {"amx": "avx512", "avx512bf16": "avx512"}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -204,8 +205,8 @@ def table(isa: str) -> Table | None:
 
 
 def default_table(isa: str) -> Table | None:
-    """qkv's default for a path; the AVX-512 path's stands in for `amx` (the same vector
-    code, with the tile unit on top), which has no default of its own."""
+    """qkv's default for a path; the AVX-512 path's stands in for `amx` and `avx512bf16` (the
+    same vector code, with bfloat16 products on top), which have no default of their own."""
     defaults = _read("default")
     return defaults.get(isa) or defaults.get(STAND_INS.get(isa, ""))
 

@@ -1,12 +1,12 @@
 // The body of every isa_*.cpp: kernel.h compiled for one instruction set, inside a namespace of
 // its own, so that one build holds every path and ops.cpp picks one per call. A unit defines
 //
-//     QKV_ISA         its namespace (amx, avx512, avx2, portable), also the path's name
+//     QKV_ISA         its namespace (amx, avx512bf16, avx512, avx2, portable), also the path's name
 //     QKV_ISA_TARGET  the instructions its functions may use (a target pragma; absent: the
 //                     build's baseline), x86-64 only
 //     QKV_ISA_SIMD    its SIMD layer (simd_*.h) and QKV_ISA_TILES its tile layer (tiles_amx.h,
-//                     or tiles_none.h where it has no tile unit): together what isa_contract.h
-//                     asks of a path
+//                     tiles_dpbf16.h, or tiles_none.h where bfloat16 has no faster unit):
+//                     together what isa_contract.h asks of a path
 //
 // and includes this file, which compiles kernel.h over them and exports the path's Kernels.
 // The target pragma applies to the functions defined below it only; the system headers come

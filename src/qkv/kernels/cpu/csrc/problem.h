@@ -264,6 +264,9 @@ extern const Kernels kernels;
 namespace avx512 {
 extern const Kernels kernels;
 }
+namespace avx512bf16 {
+extern const Kernels kernels;
+}
 namespace amx {
 extern const Kernels kernels;
 }

@@ -2,8 +2,10 @@
 // float32 ones. Included by isa_amx.cpp after simd_avx512.h, inside its namespace; kernel.h reads
 // TILE_BF16, tile_gemm (the scores), tile_pack_rows, tile_put_p and tile_pv (the forward's P·V),
 // and for float32 TILE_F32, tile_pack_rows3, tile_pack_keys3 and tile_chain3 (the scores, in
-// three bfloat16 parts per value; below): the tile part of isa_contract.h. Every other ISA has
-// tiles_none.h instead, whose stand-ins say "no tiles": the float micro-kernels run every product.
+// three bfloat16 parts per value; below): the tile part of isa_contract.h. The avx512bf16 path
+// has tiles_dpbf16.h (the same bfloat16 products on the vector unit's dot-product instruction,
+// no float32 ones); every other ISA has tiles_none.h, whose stand-ins say "no tiles". The packed
+// operands both read are bf16_pack.h's.
 //
 // A tile product C += A·B takes A as 16 rows × 32 bfloat16 and B as 16 rows of 16 bfloat16
 // pairs (B's rows 2p and 2p + 1 interleaved, the "VNNI" layout) and sums in float32: each
@@ -18,9 +20,7 @@
 
 static constexpr bool TILE_BF16 = true;
 
-// K per tile step and the most K one call takes (longer products use the float kernels)
-constexpr int64_t TILE_K = 32;
-constexpr int64_t TILE_K_MAX = 256;
+#include "bf16_pack.h"
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -81,54 +81,6 @@ static inline __attribute__((always_inline)) void c_tiles_dp(int64_t nt, const u
   }
 }
 
-// 16 floats → 16 bfloat16, round to nearest even (the unit's own conversion)
-static inline __m256i bf16_bits(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-static inline __m512 f32_of_bf16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __mmask16 first_n(int64_t n) {
-  return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
-
-// A rows r < rows of x (ld lda), columns 0 … kn−1 (kn ≤ 32), times scale, as one A tile
-// (16 × 32 bfloat16, zero past rows and kn)
-static inline void pack_a(const float* x, int64_t lda, int64_t rows, int64_t kn, uint16_t* dst,
-                          float scale) {
-  for (int64_t r = 0; r < 16; ++r)
-    for (int64_t h = 0; h < 2; ++h) {
-      const __mmask16 m = r < rows ? first_n(kn - 16 * h) : (__mmask16)0;
-      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + r * lda + 16 * h), _mm512_set1_ps(scale));
-      _mm256_storeu_si256((__m256i*)(dst + r * 32 + 16 * h), bf16_bits(v));
-    }
-}
-
-// B rows k < kn (kn ≤ 32) of y (ld ldb), columns n0 … n0+15, as one B tile: row p holds the
-// pairs (y[2p][c], y[2p+1][c]) of 16 columns c, zero past kn
-static inline void pack_b(const float* y, int64_t ldb, int64_t kn, uint32_t* dst) {
-  for (int64_t p = 0; p < 16; ++p) {
-    const __m512 e = 2 * p < kn ? _mm512_loadu_ps(y + 2 * p * ldb) : _mm512_setzero_ps();
-    const __m512 o = 2 * p + 1 < kn ? _mm512_loadu_ps(y + (2 * p + 1) * ldb) : _mm512_setzero_ps();
-    const __m512i lo16 = _mm512_cvtepu16_epi32(bf16_bits(e));
-    const __m512i hi16 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(o)), 16);
-    _mm512_storeu_si512(dst + p * 16, _mm512_or_si512(lo16, hi16));
-  }
-}
-
-// Rows of A (M × K, ld lda), times scale (a power of two: exact), as the A tiles tile_gemm
-// reads: row block m0/16, step kk at dst + (m0/16 · nk + kk) · 512, nk = ⌈K/32⌉ (tile_a_elems)
-static inline int64_t tile_a_elems(int64_t M, int64_t K) {
-  return (M + 15) / 16 * ((K + TILE_K - 1) / TILE_K) * 512;
-}
-static void tile_pack_rows(int64_t M, int64_t K, const float* A, int64_t lda, uint16_t* dst,
-                           float scale) {
-  const int64_t nk = (K + TILE_K - 1) / TILE_K;
-  for (int64_t m0 = 0; m0 < M; m0 += 16)
-    for (int64_t kk = 0; kk < nk; ++kk)
-      pack_a(A + m0 * lda + kk * TILE_K, lda, M - m0 < 16 ? M - m0 : 16,
-             K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K, dst + (m0 / 16 * nk + kk) * 512,
-             scale);
-}
-
 // The scores' product C[M×N] = A[M×K]·B[K×N] (C ld ldc; B ld ldb, floats holding bfloat16
 // values; A the rows' tiles from tile_pack_rows, or, with apack null, floats (ld lda) packed
 // here). N a multiple of 16. Each element is the unit's float sum over K in steps of 32, the
@@ -143,18 +95,13 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
   tiles_on();
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
     const int64_t nt = (N - n0) / 16 < 4 ? (N - n0) / 16 : 4;
-    for (int64_t kk = 0; kk < nk; ++kk)
-      for (int64_t t = 0; t < nt; ++t)
-        pack_b(B + kk * TILE_K * ldb + n0 + 16 * t, ldb, K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K,
-               bt + (kk * 4 + t) * 256);
+    pack_b_blocks(B + n0, ldb, K, nt, 4, bt);
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t rows = M - m0 < 16 ? M - m0 : 16;
-      for (int64_t kk = 0; kk < nk && !apack; ++kk)
-        pack_a(A + m0 * lda + kk * TILE_K, lda, rows, K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K,
-               ah + kk * 512, 1.0f);
+      const uint16_t* a = rows_blocks(A, lda, apack, m0, rows, K, ah);
       c_tiles_zero();
       for (int64_t kk = 0; kk < nk; ++kk) {
-        _tile_loadd(4, apack ? apack + (m0 / 16 * nk + kk) * 512 : ah + kk * 512, 64);
+        _tile_loadd(4, a + kk * 512, 64);
         c_tiles_dp(nt, bt + kk * 4 * 256);
       }
       // 16 rows straight into C; a last block of fewer rows through cs
@@ -170,27 +117,16 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
   return true;
 }
 
-// P (32 floats x0, x1: keys 16q … 16q+31 of row R, q even) as the A tiles tile_pv reads,
-// rounded to bfloat16 (to nearest even), row block R/16, key step q/2, at
-// a + (R/16 · 2 + q/2) · 512
-static inline void tile_put_p(V16 x0, V16 x1, uint16_t* a, int64_t R, int64_t q) {
-  _mm512_storeu_si512(a + (R / 16 * 2 + q / 2) * 512 + (R % 16) * 32, (__m512i)_mm512_cvtne2ps_pbh(x1.v, x0.v));
-}
-
 // acc[M×N] (float, ld ldc, rows padded to a multiple of 16) = acc·alpha[m] + A·B with A (M × K,
 // K ≤ 64) packed by tile_put_p (P·V of the forward for bfloat16 inputs): acc is loaded into the C tiles, the products
 // add to it there, and it is stored back; rows whose α is 1 (the row's maximum did not move)
 // are not touched by the vector unit at all. K ≤ 64, N ≤ TILE_PV_N and a multiple of 16.
-constexpr int64_t TILE_PV_N = 256;
 static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ap,
                     const float* B, int64_t ldb, float* acc, int64_t ldc, const double* alpha) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
   alignas(64) uint32_t bt[2 * (TILE_PV_N / 16) * 256];
   tiles_on();
-  for (int64_t kk = 0; kk < nk; ++kk)
-    for (int64_t t = 0; t < ntt; ++t)
-      pack_b(B + kk * TILE_K * ldb + 16 * t, ldb, K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K,
-             bt + (kk * ntt + t) * 256);
+  pack_b_blocks(B, ldb, K, ntt, ntt, bt);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
     for (int64_t r = 0; r < rows; ++r) {
@@ -501,60 +437,6 @@ static void tile_chain3_f64(int64_t M, int64_t K, const uint16_t* apack, const u
 // values, one part each), dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K (tile_acc), with P and dS
 // (floats) in two parts and dO, Q, K in one.
 
-// 32 floats of a row (x0, x1) as 32 bfloat16 at d in one part (rounded to nearest), or in two:
-// hi = x with its low 16 bits cleared (a bfloat16 by truncation) at d, lo = bf16(x − hi) at
-// d + 512 (x − hi is exact, below 2⁻⁷ of x; lo rounds it to nearest: x carries at most 2⁻¹⁶ of
-// itself). Two vectors at once: one permutation gathers the 32 high halves, one conversion
-// rounds the 32 low parts.
-static inline void put_row_parts(__m512 x0, __m512 x1, int parts, uint16_t* d) {
-  if (parts == 1) {
-    _mm512_storeu_si512(d, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-    return;
-  }
-  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
-                                       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-  const __m512i b0 = _mm512_castps_si512(x0), b1 = _mm512_castps_si512(x1);
-  const __m512 l0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_and_si512(b0, top)));
-  const __m512 l1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(b1, top)));
-  _mm512_storeu_si512(d, _mm512_permutex2var_epi16(b0, odd, b1));
-  _mm512_storeu_si512(d + 512, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
-}
-
-// A tiles (`parts` parts) of X's rows (M rows of K floats, ld ldx): A[m][k] = X[m][k]; or, with
-// `transposed`, of Xᵀ for X of K rows × M columns: A[m][k] = X[k][m]. Row block m/16, step kk,
-// part p at dst + ((m/16 · nk + kk) · parts + p) · 512, nk = ⌈K/32⌉; zero past M and K. M a
-// multiple of 16 where transposed.
-static void tile_pack_a(int64_t M, int64_t K, const float* X, int64_t ldx, bool transposed,
-                        int parts, uint16_t* dst) {
-  const int64_t nk = (K + TILE_K - 1) / TILE_K;
-  alignas(64) float t[32 * 16];  // transposed: rows m, 32 values of k
-  for (int64_t m0 = 0; m0 < M; m0 += 16)
-    for (int64_t kk = 0; kk < nk; ++kk) {
-      uint16_t* d = dst + (m0 / 16 * nk + kk) * parts * 512;
-      const int64_t k0 = kk * TILE_K;
-      if (transposed) {
-        for (int64_t h = 0; h < 2; ++h) {
-          const int64_t kb = k0 + 16 * h;
-          alignas(64) float blk[16 * 16];
-          for (int64_t r = 0; r < 16; ++r)
-            _mm512_store_ps(blk + 16 * r, kb + r < K ? _mm512_loadu_ps(X + (kb + r) * ldx + m0) : _mm512_setzero_ps());
-          transpose16(blk, 16, t + 16 * h, 32);
-        }
-        for (int64_t m = 0; m < 16; ++m)
-          put_row_parts(_mm512_load_ps(t + 32 * m), _mm512_load_ps(t + 32 * m + 16), parts, d + 32 * m);
-        continue;
-      }
-      for (int64_t m = 0; m < 16; ++m) {
-        const bool in = m0 + m < M;
-        const float* x = X + (m0 + m) * ldx + k0;
-        const __m512 x0 = in ? _mm512_maskz_loadu_ps(first_n(K - k0), x) : _mm512_setzero_ps();
-        const __m512 x1 = in ? _mm512_maskz_loadu_ps(first_n(K - k0 - 16), x + 16) : _mm512_setzero_ps();
-        put_row_parts(x0, x1, parts, d + 32 * m);
-      }
-    }
-}
-
 // D[m·ldd + n] += Σ_k A[m][k] · B[k][n] for A packed by tile_pack_a (`parts` parts, K values of
 // k) and B the K rows of y (ld ldb, floats holding bfloat16 values; N a multiple of 16, at most
 // TILE_PV_N), packed here into bt (⌈K/32⌉ · N/16 · 256 elements): one float chain per element
@@ -564,10 +446,7 @@ static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, int
                      const float* y, int64_t ldb, uint32_t* bt, double* D, int64_t ldd) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
   alignas(64) float cs[16 * 64];
-  for (int64_t kk = 0; kk < nk; ++kk)
-    for (int64_t t = 0; t < ntt; ++t)
-      pack_b(y + kk * TILE_K * ldb + 16 * t, ldb, K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K,
-             bt + (kk * ntt + t) * 256);
+  pack_b_blocks(y, ldb, K, ntt, ntt, bt);
   tiles_on();
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;

@@ -1,0 +1,81 @@
+// The core's own limits, for the benchmarks' efficiency figures: one thread's rate of float32
+// fused multiply-adds (AVX-512, else AVX2) and of AVX512-BF16's bfloat16 dot products, each in a
+// loop over 16 independent register accumulators (no memory traffic, nothing the compiler can
+// merge), run for about `seconds`. GFLOP/s counts a multiply-add as 2 FLOP (a dot-product
+// instruction: 16 lanes × 2 pairs × 2 = 64); 0 where the CPU lacks the instructions.
+#include <torch/library.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+namespace qkv_cpu {
+namespace {
+
+#define QKV_PEAK_ALL(M) \
+  M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+
+// A probe: 16 accumulators of type VEC, started apart (seed · i, so none merges with another),
+// each stepped by STEP (one instruction of `flops` FLOP) in rounds of 2¹⁶ until `seconds` pass;
+// their sum goes to *sink (so none is dropped). Returns GFLOP/s.
+#define QKV_PEAK_PROBE(NAME, TARGET, VEC, SET1, STEP, FLOPS)                              \
+  __attribute__((target(TARGET))) double NAME(double seconds, float seed, float* sink) {  \
+    _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-variable\"") \
+    QKV_PEAK_ALL(QKV_PEAK_INIT_##VEC)                                                     \
+    _Pragma("GCC diagnostic pop")                                                          \
+    int64_t n = 0;                                                                         \
+    const auto t0 = std::chrono::steady_clock::now();                                      \
+    double t = 0;                                                                          \
+    do {                                                                                   \
+      for (int r = 0; r < 65536; ++r) { QKV_PEAK_ALL(STEP) }                               \
+      n += 65536;                                                                          \
+      t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();    \
+    } while (t < seconds);                                                                 \
+    VEC s = SET1(0.0f);                                                                    \
+    QKV_PEAK_ALL(QKV_PEAK_SUM)                                                             \
+    *sink = s[0];                                                                          \
+    return (double)n * 16 * FLOPS / t / 1e9;                                               \
+  }
+#define QKV_PEAK_INIT___m512(i) __m512 a##i = _mm512_set1_ps(seed * (float)(i));
+#define QKV_PEAK_INIT___m256(i) __m256 a##i = _mm256_set1_ps(seed * (float)(i));
+#define QKV_PEAK_SUM(i) s = s + a##i;
+
+#define QKV_DP(i) a##i = _mm512_dpbf16_ps(a##i, (__m512bh)_mm512_set1_epi32(0x3f803f80), \
+                                          (__m512bh)_mm512_set1_epi32(0x30003000));
+#define QKV_FMA16(i) a##i = _mm512_fmadd_ps(_mm512_set1_ps(1.0f), _mm512_set1_ps(1e-9f), a##i);
+#define QKV_FMA8(i) a##i = _mm256_fmadd_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(1e-9f), a##i);
+QKV_PEAK_PROBE(dp_bf16, "avx512f,avx512bf16", __m512, _mm512_set1_ps, QKV_DP, 64)
+QKV_PEAK_PROBE(fma_avx512, "avx512f", __m512, _mm512_set1_ps, QKV_FMA16, 32)
+QKV_PEAK_PROBE(fma_avx2, "avx2,fma", __m256, _mm256_set1_ps, QKV_FMA8, 16)
+
+double peak_gflops(const std::string& kind, double seconds) {
+  TORCH_CHECK(kind == "fma_f32" || kind == "dp_bf16",
+              "qkv_cpu: peak_gflops takes fma_f32 or dp_bf16, got '", kind, "'");
+  float sink = 0;
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (kind == "dp_bf16") return avx512 && __builtin_cpu_supports("avx512bf16") ? dp_bf16(seconds, 1.0f, &sink) : 0.0;
+  if (avx512) return fma_avx512(seconds, 1.0f, &sink);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return fma_avx2(seconds, 1.0f, &sink);
+  return 0.0;
+}
+
+}  // namespace
+}  // namespace qkv_cpu
+
+#else  // no probes off x86-64
+
+namespace qkv_cpu {
+namespace {
+double peak_gflops(const std::string&, double) { return 0.0; }
+}  // namespace
+}  // namespace qkv_cpu
+
+#endif
+
+TORCH_LIBRARY_FRAGMENT(qkv_cpu, m) {
+  m.def("peak_gflops(str kind, float seconds) -> float", &qkv_cpu::peak_gflops);
+}
