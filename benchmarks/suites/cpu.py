@@ -34,6 +34,14 @@ qkv's pure-PyTorch `tiled`, every figure a ratio against an anchor measured in t
   **slowdown** = loaded / alone time within a round, the median over rounds.
 - bf16 matmul: 15 short samples of torch's bf16 matmul at the start and the end of the run
   (`machine.matmul_spread`), how steady the unit the amx path's products share was.
+- The core's own limits: at the start and the end of the run, one thread's float32 FMA rate and
+  bfloat16 dot-product rate (VDPBF16PS, where the CPU has AVX512-BF16) in a register-resident
+  loop (`torch.ops.qkv_cpu.peak_gflops`, the kernel's `peak.cpp`), 5 samples of 0.2 s each; the
+  best sample × the run's threads is the limit. The kernel's kept-tile rate in the dense,
+  causal and sliding-window forwards is given as a share of each.
+- `cpu avx512bf16` = `cpu` with `QKV_CPU_ISA=avx512bf16` (bfloat16 products on the dot-product
+  instruction), in the dense and pattern cases, where the CPU has that path and `auto` takes
+  another: the figures the targets of that path read.
 """
 
 from __future__ import annotations
@@ -168,6 +176,50 @@ def cpu_call(**kwargs: Any) -> Callable:
     return lambda q, k, v: qkv.attention(q, k, v, backend="cpu", **kwargs)
 
 
+DP_PATH = "avx512bf16"  # the path of bfloat16 dot products (tiles_dpbf16.h)
+DP_IMPL = f"cpu {DP_PATH}"
+
+
+def _kernel_paths() -> tuple[bool, str | None]:
+    """(whether the CPU has DP_PATH, the path `auto` runs), or (False, None) without a kernel."""
+    from qkv.kernels import cpu
+
+    try:
+        ops = cpu.load()
+    except Exception:  # no kernel: the `cpu` rows say why
+        return False, None
+    return bool(ops.isa_supported(DP_PATH)), str(ops.best_isa())
+
+
+def dp_belongs(_: Any) -> bool:
+    """The forced dot-product path runs where the CPU has it and `cpu` runs another path."""
+    has, best = _kernel_paths()
+    return has and best != DP_PATH
+
+
+def on_path(call: Callable, path: str) -> Callable:
+    """`call` with QKV_CPU_ISA=path for its duration (the kernel reads it at every call)."""
+
+    def run(*args: Any) -> Any:
+        old = os.environ.get("QKV_CPU_ISA")
+        os.environ["QKV_CPU_ISA"] = path
+        try:
+            return call(*args)
+        finally:
+            if old is None:
+                os.environ.pop("QKV_CPU_ISA", None)
+            else:
+                os.environ["QKV_CPU_ISA"] = old
+
+    return run
+
+
+def dp_impl(base: Impl) -> Impl:
+    return dataclasses.replace(
+        base, name=DP_IMPL, make=lambda c: on_path(base.make(c), DP_PATH), when=dp_belongs
+    )
+
+
 def dense_impl(name: str, backend: str) -> Impl:
     return Impl(
         name, lambda c: lambda q, k, v: qkv.attention(q, k, v, backend=backend, causal=c.causal)
@@ -196,6 +248,7 @@ DENSE = Group(
     inputs=lambda c, backward: A.inputs(c.n, backward, dtype=DTYPES[c.dtype]),
     impls=(
         dense_impl("cpu", "cpu"),
+        dp_impl(dense_impl("cpu", "cpu")),
         Impl(
             "sdpa",
             lambda c: lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=c.causal),
@@ -223,6 +276,10 @@ def tiled_impl() -> Impl:
     return dataclasses.replace(sparse.qkv_impl("tiled", "tiled"), skip=slow_skip)
 
 
+def dp_window(c: Pattern) -> bool:
+    return c.pattern == "sliding" and c.dtype == "bf16" and dp_belongs(c)
+
+
 def pattern_cases(s: Settings) -> list[Pattern]:
     return [Pattern(p, s.sparse_n, dt) for p, dt in s.patterns]
 
@@ -233,6 +290,7 @@ PATTERN_GROUP = Group(
     inputs=lambda c, backward: A.inputs(c.n, backward, dtype=DTYPES[c.dtype]),
     impls=(
         sparse.qkv_impl("cpu", "cpu"),
+        dataclasses.replace(dp_impl(sparse.qkv_impl("cpu", "cpu")), when=dp_window),
         Impl("sdpa", sparse.sdpa),
         Impl("flex", sparse.flex, skip=slow_skip, passes=(FWD,)),
         tiled_impl(),
@@ -412,6 +470,20 @@ def under_load(s: Settings, _: Results) -> list[dict[str, Any]]:
 def tile_spread(_: Settings, __: Results) -> dict[str, Any]:
     """Short samples of torch's bf16 matmul (the tile unit where the CPU has AMX), GFLOP/s."""
     return {"size": SPREAD_SIZE, "gflops": machine.matmul_spread(torch.bfloat16, SPREAD_SIZE)}
+
+
+PEAK_SAMPLES, PEAK_SAMPLE_S = 5, 0.2
+
+
+def core_peaks(_: Settings, __: Results) -> dict[str, Any]:
+    """One thread's register-resident float32 FMA and bfloat16 dot-product rates, GFLOP/s."""
+    peak = torch.ops.qkv_cpu.peak_gflops
+    return {
+        "threads": torch.get_num_threads(),
+        **{
+            k: [peak(k, PEAK_SAMPLE_S) for _ in range(PEAK_SAMPLES)] for k in ("fma_f32", "dp_bf16")
+        },
+    }
 
 
 # --------------------------------------------------------------------------- the suite's hooks
@@ -680,6 +752,71 @@ def spread_block(r: Results) -> list[str]:
     return [*lines, ""]
 
 
+def peak_limits(r: Results) -> dict[str, float] | None:
+    """The run's limits, GFLOP/s: the best one-thread sample of each probe × the run's threads."""
+    runs = [run for run in (r.stages.get("peaks start"), r.stages.get("peaks end")) if run]
+    if not runs:
+        return None
+    threads = runs[0]["threads"]
+    return {k: threads * max(x for run in runs for x in run[k]) for k in ("fma_f32", "dp_bf16")}
+
+
+def limit_rows(r: Results) -> list[tuple[str, rp.Row, str]]:
+    """(label, row, rate kind) of the forwards whose rate the limits block reads."""
+    s = r.settings
+    rows = []
+    for impl in ("cpu", DP_IMPL):
+        for dt in DTYPES:
+            for p in ("dense", "causal"):
+                rows.append(
+                    (
+                        f"{p} {dt}, N={s['dense_n']}",
+                        rp.Row(r, "dense", Dense(p, dt, s["dense_n"]), impl),
+                        "gflops",
+                    )
+                )
+            if (p_ := ("sliding", dt)) in [tuple(x) for x in s["patterns"]]:
+                case = Pattern(p_[0], s["sparse_n"], dt)
+                rows.append(
+                    (
+                        f"sliding window {dt}, N={s['sparse_n']}",
+                        rp.Row(r, "patterns", case, impl),
+                        "kept",
+                    )
+                )
+    return [row for row in rows if row[1].timing(FWD) is not None]
+
+
+def limits_block(r: Results) -> list[str]:
+    lines = ["### Against the core's own limits", ""]
+    limits = peak_limits(r)
+    if not limits:
+        return [*lines, "Not run (dry run)." if r.dry_run else "Not run.", ""]
+    threads = (r.stages.get("peaks start") or r.stages.get("peaks end"))["threads"]
+    dp = limits["dp_bf16"]
+    lines += [
+        f"Limits of this run ({threads} threads, the best of the one-thread samples at the start "
+        f"and the end × {threads}): float32 FMA **{limits['fma_f32']:.0f} GFLOP/s**, bfloat16 "
+        + (f"dot products **{dp:.0f} GFLOP/s**." if dp else "dot products: not on this CPU.")
+        + " Forward rates on the kept tiles (dense: FlashAttention's count).",
+        "",
+        "| forward | impl | GFLOP/s | % of fp32 FMA | % of bf16 dot products |",
+        "|:---|:---|---:|---:|---:|",
+    ]
+    for label, row, kind in limit_rows(r):
+        rate = row.rate(FWD, kind)
+        shares = [
+            f"{100 * rate / lim:.0f}%"
+            if rate and lim and (k == "fma_f32" or "bf16" in label)
+            else "—"
+            for k, lim in limits.items()
+        ]
+        lines.append(
+            f"| {label} | {row.impl} | {rp.fmt(rate, '.0f')} | {shares[0]} | {shares[1]} |"
+        )
+    return [*lines, ""]
+
+
 def load_block(r: Results) -> list[str]:
     rows = r.stages.get("load")
     lines = ["### Under load (forward, one competing CPU-bound process)", ""]
@@ -758,6 +895,40 @@ def decode_row(r: Results, impl: str = "cpu") -> rp.Row:
     )
 
 
+def dp_impl_of(r: Results) -> str:
+    """The rows of the dot-product path: `cpu` where auto runs it, else the forced rows."""
+    return (
+        "cpu" if (r.facts.get("software") or {}).get("qkv CPU kernel path") == DP_PATH else DP_IMPL
+    )
+
+
+def dp_ratio(pattern: str, pass_: str, anchor: str) -> Callable[[Results], float | None]:
+    """The dot-product path in bf16 against an anchor (`own fp32`: the same impl in fp32)."""
+
+    def get(r: Results) -> float | None:
+        n, impl = r.settings["dense_n"], dp_impl_of(r)
+        if anchor != "own fp32":
+            return r.ratio("dense", Dense(pattern, "bf16", n), impl, pass_, anchor)
+        t16, t32 = (
+            r.median("dense", Dense(pattern, dt, n), impl, pass_) for dt in ("bf16", "fp32")
+        )
+        return t32 / t16 if t16 and t32 else None
+
+    return get
+
+
+def dp_window_flex(r: Results) -> float | None:
+    row = rp.Row(r, "patterns", Pattern("sliding", r.settings["sparse_n"], "bf16"), dp_impl_of(r))
+    return (row.ratio(FWD, "flex") or {}).get("median")
+
+
+def dp_peak_share(r: Results) -> float | None:
+    limits = peak_limits(r)
+    row = rp.Row(r, "dense", Dense("dense", "bf16", r.settings["dense_n"]), dp_impl_of(r))
+    rate = row.rate(FWD, "gflops")
+    return rate / limits["dp_bf16"] if rate and limits and limits["dp_bf16"] else None
+
+
 def memory_beyond(index: int) -> Callable[[Results], float | None]:
     def get(r: Results) -> float | None:
         p, n, dt = r.settings["memory"][index]
@@ -780,6 +951,39 @@ def load_margin(index: int) -> Callable[[Results], float | None]:
 
     return get
 
+
+DP_TARGETS = (  # issue 40, for CPUs with AVX512-BF16 and no AMX: read on the avx512bf16 path
+    SizedTarget(
+        "avx512bf16 path: dense bf16, N={dense_n}, fwd ×its own fp32 time",
+        dp_ratio("dense", FWD, "own fp32"),
+        1.8,
+    ),
+    *(
+        SizedTarget(
+            f"avx512bf16 path: {p} bf16, N={{dense_n}}, fwd ×SDPA", dp_ratio(p, FWD, "sdpa"), 2.0
+        )
+        for p in ("dense", "causal")
+    ),
+    *(
+        SizedTarget(
+            f"avx512bf16 path: {p} bf16, N={{dense_n}}, fwd+bwd ×SDPA",
+            dp_ratio(p, FWD_BWD, "sdpa"),
+            1.6,
+        )
+        for p in ("dense", "causal")
+    ),
+    SizedTarget(
+        "avx512bf16 path: sliding window bf16, N={sparse_n}, fwd ×compiled FlexAttention",
+        dp_window_flex,
+        3.0,
+    ),
+    SizedTarget(
+        "avx512bf16 path: dense bf16, N={dense_n}, fwd rate as % of the bf16 dot-product limit",
+        dp_peak_share,
+        0.50,
+        unit="%",
+    ),
+)
 
 TARGETS = (
     *(
@@ -861,6 +1065,8 @@ TARGETS = (
     ),
 )
 
+TARGETS = (*TARGETS, *DP_TARGETS)
+
 MEMORY = Memory(probes, address_limit=20 * 2**30)
 
 SUITE = Suite(
@@ -869,6 +1075,7 @@ SUITE = Suite(
     settings={"full": FULL, "quick": QUICK},
     steps=(
         Stage("bf16 start", tile_spread),
+        Stage("peaks start", core_peaks),
         DENSE,
         PATTERN_GROUP,
         DECODE,
@@ -876,6 +1083,7 @@ SUITE = Suite(
         MEMORY,
         Stage("load", under_load),
         Stage("bf16 end", tile_spread),
+        Stage("peaks end", core_peaks),
     ),
     targets=TARGETS,
     report=(
@@ -887,6 +1095,7 @@ SUITE = Suite(
         SMALL_TABLE,
         MEMORY_TABLE,
         load_block,
+        limits_block,
     ),
     doc=__doc__,
     method=method,
