@@ -4,9 +4,10 @@ A `Pairs` holds what the caller asked for — the causal flag (bottom-right alig
 `qkv.masks.Mask`, a bool or float mask tensor, a `BlockLayout` passed as the mask — for an
 Nq × Nk problem, validated once by `qkv.plan.make_plan` and carried by the plan as
 `plan.pairs`. Every consumer reads it: `qkv.layout.layout_for(pairs, ...)` builds the kept
-tiles from it, the reference and sdpa backends take its dense mask (`dense`), received
-attention asks it about a band (`allowed`), and the custom ops carry it as named arguments
-(`op_args` / `from_op`). The rule itself is written once, in `qkv.layout.allowed`.
+tiles from it, the reference backend takes its dense mask (`dense`) and the sdpa backend its
+`attn_mask`, received attention asks it about a band (`allowed`), and the custom ops
+carry it as named arguments (`op_args` / `from_op`). The rule itself is written once, in
+`qkv.layout.allowed`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class Pairs:
             x is not None for x in (self.mask, self.bias, self.rule, self.layout)
         )
 
+    @property
+    def causal_only(self) -> bool:
+        """True when the causal flag is all that restricts the pairs (no rule, mask or bias)."""
+        return self.causal and all(x is None for x in (self.mask, self.bias, self.rule))
+
     def allowed(
         self, b: torch.Tensor | int, h: torch.Tensor | int, rows: torch.Tensor, cols: torch.Tensor
     ) -> torch.Tensor | None:
@@ -74,6 +80,16 @@ class Pairs:
             self.q_len, self.kv_len, causal=self.causal, rule=self.rule, mask=self.mask,
             device=device,
         )  # fmt: skip
+
+    def attn_mask(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """The pairs as one mask tensor, in the form torch SDPA's `attn_mask` takes: the
+        caller's bool mask or float bias as given when nothing else restricts (a broadcast
+        shape, no copy), else `dense()`, which a float bias takes as −inf where it forbids a
+        pair; None when nothing restricts the pairs."""
+        if not self.causal and self.rule is None:
+            return self.mask if self.mask is not None else self.bias
+        ok = self.dense(device)
+        return ok if self.bias is None else self.bias.masked_fill(~ok, -torch.inf)
 
     def op_args(self) -> OpPairs:
         """The description as a custom op's arguments (`from_op` rebuilds it)."""
