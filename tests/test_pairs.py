@@ -1,5 +1,5 @@
 """`qkv.pairs.Pairs`, the one description of which pairs may attend, and what consumers take
-from it: sdpa's `attn_mask`."""
+from it: sdpa's `attn_mask`, received attention's `band`."""
 
 from __future__ import annotations
 
@@ -75,3 +75,38 @@ def test_causal_only():
     assert not _pairs().causal_only
     assert not _pairs(_masks()["window"], causal=True).causal_only
     assert not _pairs(_masks()["bias"], causal=True).causal_only
+
+
+@pytest.mark.parametrize("nq,nk", [(NQ, NK), (NK, NQ), (NQ, NQ)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", list(_masks()))
+def test_band_is_dense_cut_to_the_band(name, causal, nq, nk):
+    """What received attention asks: the hidden pairs of a band of query rows and keys are
+    those `dense()` forbids there, and a band with a row that may attend nowhere says so."""
+    mask = _masks()[name]
+    if isinstance(mask, torch.Tensor):  # cut to this shape (the rows of a per-row mask too)
+        mask = mask[..., : nq if mask.shape[-2] > 1 else 1, :nk]
+        if mask.shape[-2] not in (1, nq):
+            pytest.skip("the mask has fewer rows than this Nq")
+    if name == "padding":
+        mask = masks.padding([min(7, nk), nk])
+    pairs = _pairs(mask, causal, nq, nk)
+    dense = pairs.dense()
+    dense = (
+        torch.ones(2, 3, nq, nk, dtype=torch.bool) if dense is None else dense.expand(2, 3, -1, -1)
+    )
+    for b in range(2):
+        for r0, r1, c0, c1 in [
+            (0, nq, 0, nk),
+            (0, 3, 0, 5),
+            (2, 9, 4, nk),
+            (nq - 1, nq, 1, nk - 1),
+        ]:
+            band = pairs.band(b, 3, r0, r1, c0, c1)
+            assert c0 <= band.start <= c1
+            assert dense[b, :, r0:r1, c0 : band.start].all()
+            want = ~dense[b, :, r0:r1, band.start : c1]
+            hidden = torch.zeros_like(want) if band.hidden is None else band.hidden
+            assert torch.equal(hidden.expand_as(want), want)
+            if not dense[b, :, r0:r1].any(-1).all() or pairs.bias is not None:
+                assert band.empty_rows
