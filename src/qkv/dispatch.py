@@ -1,4 +1,10 @@
-"""Choose a backend for a plan, and say why every other one was not chosen."""
+"""Choose a backend for a plan, and say why every other one was not chosen.
+
+Two operations are dispatched the same way: attention (`choose`: every backend runs it) and
+received attention, the column sums of A (`choose_received`: the backends that declare it,
+`qkv.kernels.base.ReceivedBackend`). `auto` takes the first backend in `BACKENDS` order that
+runs the request exactly; a named backend that cannot is an error, never a silent fallback.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from types import MappingProxyType
 
 import torch
 
-from .kernels import BACKENDS, Backend, dispatch_state
+from .kernels import BACKENDS, Backend, dispatch_state, received_refusal
 from .plan import AttentionPlan
 
 AUTO = "auto"
@@ -72,11 +78,7 @@ def choose(
     """
     wanted = resolve_backend(backend)
     if wanted is not None:
-        why = wanted.why_not(plan, q, k, v)
-        if why is not None:
-            raise NotImplementedError(f"backend={wanted.name!r} cannot run this request: {why}")
-        others = {n: f"backend={wanted.name!r} was asked for" for n in BACKENDS if n != wanted.name}
-        return Decision(wanted, others)
+        return _named(wanted, wanted.why_not(plan, q, k, v), "run this request")
     key = _plain_key(plan)
     found = _REMEMBERED.get(key) if key is not None else None
     if found is not None:
@@ -89,6 +91,49 @@ def choose(
         reasons = MappingProxyType(dict(decision.reasons))  # read-only: callers share it
         _REMEMBERED[key] = Decision(decision.backend, reasons, lambda: basis)  # type: ignore[arg-type]
     return decision
+
+
+def choose_received(
+    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, backend: object = AUTO
+) -> Decision:
+    """Pick the backend for received attention (`qkv.received_attention`'s plan, canonical q
+    and k): `auto` takes the first backend in `BACKENDS` order that declares the operation and
+    accepts the plan (`received_refusal`); a named backend that cannot is an error
+    (`NotImplementedError` with its reason)."""
+    wanted = resolve_backend(backend)
+    if wanted is not None:
+        why = received_refusal(wanted, plan, q, k)
+        return _named(wanted, why, "compute received attention")
+    chosen, reasons = _first(lambda c: received_refusal(c, plan, q, k), ask_all=True)
+    assert chosen is not None, "the tiled backend computes received attention for every plan"
+    return Decision(chosen, reasons)
+
+
+def _named(wanted: Backend, why: str | None, what: str) -> Decision:
+    """The decision for a backend asked for by name, or the error saying why it cannot."""
+    if why is not None:
+        raise NotImplementedError(f"backend={wanted.name!r} cannot {what}: {why}")
+    others = {n: f"backend={wanted.name!r} was asked for" for n in BACKENDS if n != wanted.name}
+    return Decision(wanted, others)
+
+
+def _first(
+    refusal: Callable[[Backend], str | None], ask_all: bool = False
+) -> tuple[Backend | None, dict[str, str]]:
+    """The first backend in `BACKENDS` order that `refusal` accepts (None if none does), and
+    a reason for every other one. The backends after the chosen one are asked too when
+    `ask_all` (cheap questions: each keeps its own reason), else only told they come later."""
+    reasons: dict[str, str] = {}
+    chosen: Backend | None = None
+    for name, candidate in BACKENDS.items():
+        why = refusal(candidate) if chosen is None or ask_all else None
+        if chosen is not None:
+            reasons[name] = why or f"{chosen.name} is preferred (faster) and can run it"
+        elif why is None:
+            chosen = candidate
+        else:
+            reasons[name] = why
+    return chosen, reasons
 
 
 # auto's decisions on plain requests (no structured mask, float bias, score modifier or
@@ -125,22 +170,18 @@ def _plain_key(plan: AttentionPlan) -> tuple | None:
 
 def _auto(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Decision:
     """auto's choice, asking every backend in order."""
-    reasons: dict[str, str] = {}
-    chosen: Backend | None = None
     basis = None
-    for name, candidate in BACKENDS.items():
-        if chosen is not None:
-            reasons[name] = f"{chosen.name} is preferred (faster) and can run it"
-            continue
+
+    def refusal(candidate: Backend) -> str | None:
+        nonlocal basis
         why = candidate.why_not(plan, q, k, v)
         auto_skip = getattr(candidate, "auto_skip", None)
         if why is None and auto_skip is not None:
             why = auto_skip(plan)
             if basis is None and hasattr(candidate, "auto_basis"):
                 basis = functools.partial(candidate.auto_basis, plan)
-        if why is None:
-            chosen = candidate
-        else:
-            reasons[name] = why
+        return why
+
+    chosen, reasons = _first(refusal)
     assert chosen is not None, "the reference backend accepts every valid plan"
     return Decision(chosen, reasons, basis)

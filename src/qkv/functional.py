@@ -1,10 +1,11 @@
-"""`qkv.attention`: validate → plan → dispatch → kernel, and `qkv.dispatch` to see the choice."""
+"""`qkv.attention`: validate → plan → dispatch → kernel, and `qkv.dispatch` to see the choice
+(for attention, or for received attention with `op="received"`)."""
 
 from __future__ import annotations
 
 import torch
 
-from .dispatch import AUTO, Decision, choose
+from .dispatch import AUTO, Decision, choose, choose_received
 from .masks import Mask
 from .plan import from_4d, make_plan, to_4d
 from .scores import ScoreMod
@@ -102,7 +103,7 @@ def attention(
 def dispatch(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None = None,
     *,
     mask: torch.Tensor | Mask | None = None,
     causal: bool = False,
@@ -113,12 +114,31 @@ def dispatch(
     return_weights: bool = False,
     score_mod: ScoreMod | None = None,
     finite_inputs: bool = False,
+    op: str = "attention",
 ) -> Decision:
     """Which backend `attention(q, k, v, **same_kwargs)` would run, and why not the others.
 
     `print(qkv.dispatch(q, k, v, causal=True))` shows the choice and one reason per backend
     passed over. Validates the arguments exactly as `attention` does.
+
+    `op="received"` asks the same of received attention,
+    `qkv.received_attention(q, k, mask=..., causal=..., scale=...)` (the column sums of A):
+    `print(qkv.dispatch(q, k, causal=True, op="received"))`. It reads no v and takes only
+    those arguments (and `backend`).
     """
+    if op == "received":
+        if v is not None:
+            raise ValueError("received attention reads no v: qkv.dispatch(q, k, op='received')")
+        if dropout_p or return_lse or return_weights or score_mod is not None or finite_inputs:
+            raise ValueError(
+                "op='received' takes q, k, mask, causal, scale and backend, as "
+                "qkv.received_attention does"
+            )
+        # Validated exactly as received_attention does (k stands in for v).
+        plan = make_plan(q, k, k, mask=mask, causal=causal, scale=scale)
+        return choose_received(plan, to_4d(q), to_4d(k), backend)
+    if op != "attention":
+        raise ValueError(f"op must be 'attention' or 'received', got {op!r}")
     plan = make_plan(
         q,
         k,

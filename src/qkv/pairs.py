@@ -4,9 +4,10 @@ A `Pairs` holds what the caller asked for — the causal flag (bottom-right alig
 `qkv.masks.Mask`, a bool or float mask tensor, a `BlockLayout` passed as the mask — for an
 Nq × Nk problem, validated once by `qkv.plan.make_plan` and carried by the plan as
 `plan.pairs`. Every consumer reads it: `qkv.layout.layout_for(pairs, ...)` builds the kept
-tiles from it, the reference and sdpa backends take its dense mask (`dense`), received
-attention asks it about a band (`allowed`), and the custom ops carry it as named arguments
-(`op_args` / `from_op`). The rule itself is written once, in `qkv.layout.allowed`.
+tiles from it, the reference backend takes its dense mask (`dense`) and the sdpa backend its
+`attn_mask`, received attention asks it about a band of query rows (`band`), and the custom ops
+carry it as named arguments (`op_args` / `from_op`). The rule itself is written once, in
+`qkv.layout.allowed`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,19 @@ from typing import Any, NamedTuple
 import torch
 
 from .cache import handle, lookup
-from .layout import BlockLayout, allowed, dense_allowed
+from .layout import BlockLayout, allowed, causal_hidden, dense_allowed
 from .masks import Mask
+
+
+class Band(NamedTuple):
+    """Which pairs of a band of query rows `r0:r1` and keys `c0:c1` may not attend (`Pairs.band`):
+    keys before `start` are allowed to every row, `hidden` (bool, broadcastable to
+    `(H, r1 − r0, c1 − start)`, or None when nothing is hidden) is True where a pair from
+    `start` on may not attend."""
+
+    start: int  # keys c0:start are visible to every row of the band (c0 ≤ start ≤ c1)
+    hidden: torch.Tensor | None  # True = may not attend
+    empty_rows: bool  # a row may attend nowhere (a bool mask, a rule, a bias's −inf, Nq > Nk)
 
 
 class OpPairs(NamedTuple):
@@ -57,6 +69,11 @@ class Pairs:
             x is not None for x in (self.mask, self.bias, self.rule, self.layout)
         )
 
+    @property
+    def causal_only(self) -> bool:
+        """True when the causal flag is all that restricts the pairs (no rule, mask or bias)."""
+        return self.causal and all(x is None for x in (self.mask, self.bias, self.rule))
+
     def allowed(
         self, b: torch.Tensor | int, h: torch.Tensor | int, rows: torch.Tensor, cols: torch.Tensor
     ) -> torch.Tensor | None:
@@ -74,6 +91,44 @@ class Pairs:
             self.q_len, self.kv_len, causal=self.causal, rule=self.rule, mask=self.mask,
             device=device,
         )  # fmt: skip
+
+    def attn_mask(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """The pairs as one mask tensor, in the form torch SDPA's `attn_mask` takes: the
+        caller's bool mask or float bias as given when nothing else restricts (a broadcast
+        shape, no copy), else `dense()`, which a float bias takes as −inf where it forbids a
+        pair; None when nothing restricts the pairs."""
+        if not self.causal and self.rule is None:
+            return self.mask if self.mask is not None else self.bias
+        ok = self.dense(device)
+        return ok if self.bias is None else self.bias.masked_fill(~ok, -torch.inf)
+
+    def band(
+        self,
+        b: int,
+        heads: int,
+        r0: int,
+        r1: int,
+        c0: int,
+        c1: int,
+        device: torch.device | str | None = None,
+    ) -> Band:
+        """`allowed` for query rows `r0:r1` and keys `c0:c1` of batch element `b`, all `heads`
+        heads, as a `Band` of hidden pairs for a kernel that masks a band of scores in place.
+        The causal flag alone hides only the triangle past the band's first row."""
+        if self.causal_only:
+            start, hidden, blind = causal_hidden(r0, r1, c0, c1, self.q_len, self.kv_len, device)
+            return Band(start, hidden, blind)
+        rule, mask = self.rule, self.mask
+        per_head = (rule is not None and bool(rule.heads)) or (
+            mask is not None and mask.shape[1] > 1
+        )
+        bi = torch.full((1, 1, 1), b, device=device)
+        hi = torch.arange(heads if per_head else 1, device=device).view(-1, 1, 1)
+        rows = torch.arange(r0, r1, device=device).unsqueeze(1)
+        cols = torch.arange(c0, c1, device=device)
+        ok = self.allowed(bi, hi, rows, cols)
+        tensors_or_rule = any(x is not None for x in (mask, self.bias, rule))
+        return Band(c0, None if ok is None else ~ok, tensors_or_rule)
 
     def op_args(self) -> OpPairs:
         """The description as a custom op's arguments (`from_op` rebuilds it)."""

@@ -10,7 +10,7 @@ from qkv.masks import Mask
 from qkv.vision import packed, packed_attention, window_partition
 from qkv.vision.packed import plan_layout
 
-from ..helpers import assert_error_ratio
+from ..helpers import assert_error_ratio, cpu_kernel_or
 
 
 def _inputs(lengths, H=4, Hkv=None, D=16, Dv=None, dtype=torch.float32, seed=0):
@@ -169,3 +169,41 @@ def test_cu_seqlens_changed_in_place_between_calls(layout):
     ref = _per_segment(q, k, v, cu)
     gold = _per_segment(*(t.double() for t in (q, k, v)), cu)
     assert_error_ratio(out, ref, gold)
+
+
+def _dispatch_varlen(q, k, v, cu, **kwargs):
+    """What `qkv.dispatch` says auto runs the varlen request on (the packed tensors as one
+    sequence under the segments' block-diagonal mask)."""
+    one = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    cu64 = cu.to(torch.long)
+    return qkv.dispatch(*one, mask=qkv.masks.varlen(cu64, cu64), **kwargs).name
+
+
+@pytest.mark.parametrize("kernel", ["as built", "declines"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("case", ["windows", "images"])
+def test_packed_follows_dispatchs_choice(case, dtype, kernel, monkeypatch):
+    """One source of truth: auto's layout and backend follow what `qkv.dispatch` says of the
+    varlen request: varlen on its backend where that is the compiled kernel, else the waste
+    rule (varlen on VARLEN_BACKEND, padded on auto). The result is exact either way."""
+    if kernel == "declines":
+        monkeypatch.setattr(qkv.kernels.CpuBackend, "why_not", lambda *a: "not here")
+    q, k, v, cu = _inputs(CASES[case], H=4, Hkv=2, dtype=dtype)
+    n = q.shape[0]
+    chosen = _dispatch_varlen(q, k, v, cu)
+    layout, runs_on = packed.plan_call(q, k, v, cu)
+    if chosen == "cpu":
+        assert (layout.layout, runs_on.name) == ("varlen", "cpu")
+    else:
+        assert layout == plan_layout(cu, n)  # the waste rule alone
+        assert runs_on is (packed.VARLEN_BACKEND if layout.layout == "varlen" else "auto")
+    built = cpu_kernel_or("none") == "cpu"  # the kernel could be built on this machine
+    assert (chosen == "cpu") == (built and kernel == "as built" and dtype != torch.float64)
+    forced, runs_on = packed.plan_call(q, k, v, cu, layout="varlen")
+    assert forced.layout == "varlen"
+    assert runs_on.name == "cpu" if chosen == "cpu" else runs_on is packed.VARLEN_BACKEND
+    _, runs_on = packed.plan_call(q, k, v, cu, layout="padded")
+    assert runs_on == "auto"  # padded is qkv's auto, nothing asked
+    gold = _per_segment(*(t.double() for t in (q, k, v)), cu)
+    ref = _per_segment(q, k, v, cu)
+    assert_error_ratio(packed_attention(q, k, v, cu), ref, gold)

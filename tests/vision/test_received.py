@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 import qkv
 from qkv import masks
-from qkv.vision import prune, received, received_attention
+from qkv.kernels.tiled import received
+from qkv.vision import prune, received_attention
 
 from ..helpers import assert_error_ratio, make_qkv
 
@@ -178,3 +181,83 @@ def test_prune_errors():
         prune(x, s[:, :5], 2)
     with pytest.raises(TypeError, match="keep must be an int count"):
         prune(x, s, "2")
+
+
+# --------------------------------------------------------------------------- through dispatch
+
+
+def test_dispatch_explains_a_received_request():
+    q, k, _ = make_qkv(B=1, H=4, Nq=10, D=8)
+    d = qkv.dispatch(q, k, causal=True, op="received")
+    assert d.name == "tiled"
+    assert set(d.reasons) == {"cpu", "sdpa", "triton", "reference"}
+    for name, why in d.reasons.items():
+        assert why == f"{name} has no received-attention operation (the column sums of A)"
+    text = str(d)
+    assert text.startswith("chosen: tiled") and "not reference: reference has no" in text
+    named = qkv.dispatch(q, k, op="received", backend="tiled")
+    assert named.name == "tiled" and named.reasons["cpu"] == "backend='tiled' was asked for"
+
+
+def test_a_backend_without_the_operation_declines_with_its_reason():
+    q, k, _ = make_qkv(B=1, H=4, Nq=10, D=8)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"backend='sdpa' cannot compute received attention: sdpa has no received-attention",
+    ):
+        qkv.dispatch(q, k, op="received", backend="sdpa")
+    with pytest.raises(NotImplementedError, match="backend='cpu' cannot compute received"):
+        qkv.dispatch(q, k, op="received", backend=qkv.kernels.CpuBackend())
+
+    class Declines(qkv.kernels.TiledBackend):
+        def why_not_received(self, plan, q, k):
+            return "this one declines"
+
+    with pytest.raises(NotImplementedError, match="cannot compute received attention: this one"):
+        qkv.dispatch(q, k, op="received", backend=Declines())
+
+
+def test_received_attention_runs_what_dispatch_chose(monkeypatch):
+    """received_attention asks dispatch: a backend placed first that declares the operation
+    runs it; one placed first that does not is passed over with its reason."""
+    dispatch = importlib.import_module("qkv.dispatch")  # `qkv.dispatch` is the function
+    q, k, _ = make_qkv(B=1, H=4, Nq=10, D=8)
+
+    class First:
+        name = "first"
+
+        def why_not(self, plan, q, k, v):
+            return None
+
+        def forward(self, plan, q, k, v):
+            raise AssertionError("attention is not asked for")
+
+        def why_not_received(self, plan, q, k):
+            return None
+
+        def received(self, plan, q, k, lse):
+            return torch.full((plan.batch, plan.heads, plan.kv_len), 7.0)
+
+    monkeypatch.setattr(dispatch, "BACKENDS", {"first": First(), **dispatch.BACKENDS})
+    assert qkv.dispatch(q, k, op="received").name == "first"
+    assert torch.equal(received_attention(q, k), torch.full((1, 4, 10), 7.0))
+    del First.why_not_received
+    d = qkv.dispatch(q, k, op="received")
+    assert d.name == "tiled" and "first has no received-attention" in d.reasons["first"]
+    assert_error_ratio(received_attention(q, k), _column_sums(q, k), _column_sums(*_d(q, k)))
+
+
+def _d(*tensors):
+    return tuple(t.double() for t in tensors)
+
+
+def test_received_dispatch_errors():
+    q, k, v = make_qkv(B=1, H=4, Nq=10, D=8)
+    with pytest.raises(ValueError, match="received attention reads no v"):
+        qkv.dispatch(q, k, v, op="received")
+    with pytest.raises(ValueError, match="op='received' takes q, k, mask, causal, scale"):
+        qkv.dispatch(q, k, op="received", return_lse=True)
+    with pytest.raises(ValueError, match="op must be 'attention' or 'received'"):
+        qkv.dispatch(q, k, v, op="column sums")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        qkv.dispatch(q, k, op="received", causal=1)

@@ -10,11 +10,15 @@ dropout, score modifiers, structured masks whose empty tiles it skips). `auto` n
 on CPU tensors (there it only runs in Triton's interpreter). Importing this package does not
 import Triton, and nothing here builds or loads the compiled CPU kernel: that happens when `cpu`
 is first considered for a CPU request (`qkv build` does it ahead of time).
+
+Received attention (`qkv.received_attention`, the column sums of A) is a second operation that a
+backend declares (`base.ReceivedBackend`): `tiled` computes it for every request, a band of query
+rows at a time; the others decline, and dispatch says so (`received_refusal`).
 """
 
 import os
 
-from .base import Backend, Result
+from .base import Backend, ReceivedBackend, Result, received_refusal
 from .cpu import crossover, isa
 from .cpu.backend import CpuBackend
 from .reference import ReferenceBackend
@@ -42,10 +46,12 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "CpuBackend",
+    "ReceivedBackend",
     "ReferenceBackend",
     "Result",
     "SdpaBackend",
     "TiledBackend",
     "TritonBackend",
     "dispatch_state",
+    "received_refusal",
 ]

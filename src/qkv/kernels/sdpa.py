@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..layout import dense_allowed
 from ..plan import AttentionPlan
 from .base import Result
 
@@ -109,28 +108,19 @@ class SdpaBackend:
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        attn_mask = plan.pairs.mask if plan.pairs.mask is not None else plan.pairs.bias
-        if plan.pairs.rule is not None:  # asked for by name: pay for the dense mask
-            attn_mask = plan.pairs.rule.dense4(plan.q_len, plan.kv_len, q.device)
-        if plan.pairs.causal and plan.q_len > plan.kv_len and attn_mask is None:
+        pairs = plan.pairs
+        if pairs.causal_only and plan.q_len > plan.kv_len:
             # Rows 0 … Nq−Nk−1 see no key (output 0); the last Nk rows are square causal.
             skip = plan.q_len - plan.kv_len
             out = torch.zeros(*q.shape[:-1], plan.v_dim, dtype=q.dtype, device=q.device)
             out[..., skip:, :] = _call(q[..., skip:, :], k, v, None, True, plan)
             return out, None, None
-        is_causal = False
-        if plan.pairs.causal:
-            if plan.q_len == plan.kv_len and attn_mask is None:
-                is_causal = True  # top-left equals bottom-right when Nq == Nk
-            else:  # Nq < Nk (asked for by name) or a mask to combine with: one dense mask
-                allowed = dense_allowed(plan.q_len, plan.kv_len, causal=True, device=q.device)
-                if attn_mask is None:
-                    attn_mask = allowed
-                elif attn_mask.dtype == torch.bool:
-                    attn_mask = attn_mask & allowed
-                else:
-                    attn_mask = attn_mask.masked_fill(~allowed, -torch.inf)
-        return _call(q, k, v, attn_mask, is_causal, plan), None, None
+        if pairs.causal_only and plan.q_len == plan.kv_len:
+            # top-left equals bottom-right when Nq == Nk: no mask tensor at all
+            return _call(q, k, v, None, True, plan), None, None
+        # The caller's tensor as it is, or one dense mask (a structured mask asked for by name,
+        # causal with Nq < Nk or with a mask to combine): what `Pairs.attn_mask` gives.
+        return _call(q, k, v, pairs.attn_mask(q.device), False, plan), None, None
 
 
 @functools.cache

@@ -16,12 +16,12 @@ one `qkv.attention` call, forward and backward, in one of two layouts:
   sequence as one `(1, H, N, D)` problem under `qkv.masks.varlen(cu_seqlens, cu_seqlens)`, whose
   tile layout is block diagonal: the tiled kernel computes only the tiles of each segment.
 
-`layout="auto"` takes varlen on qkv's compiled CPU kernel wherever that kernel takes the
-tensors: it skips the other segments' tiles at its matmul rate, which beats the padded layout
-on SDPA for windows too (the vision section of docs/benchmarks.md). Without it, padded when
-padding adds at most
-`PADDED_WASTE` (12.5%) to the work Σ L_s², else varlen. Either is exact: it equals running every
-segment alone (the tests compare forward and gradients with the per-segment reference).
+`layout="auto"` takes varlen wherever `qkv.dispatch` says `auto` runs the varlen request on
+qkv's compiled CPU kernel (`cpu`): it skips the other segments' tiles at its matmul rate, which
+beats the padded layout on SDPA for windows too (the vision section of docs/benchmarks.md).
+Otherwise padded when padding adds at most `PADDED_WASTE` (12.5%) to the work Σ L_s², else
+varlen. Either is exact: it equals running every segment alone (the tests compare forward and
+gradients with the per-segment reference).
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ import torch
 
 from .. import masks
 from ..cache import CACHE
-from ..functional import attention
+from ..functional import attention, dispatch
 from ..kernels import TiledBackend
-from ..kernels.cpu.backend import DTYPES, kernel_status
 from ..kernels.tiled.fused import FusedStrips
 
 LAYOUTS = ("auto", "padded", "varlen")
@@ -141,31 +140,55 @@ def packed_attention(
         raise ValueError(
             f"q, k and v must hold the same tokens, got {N}, {k.shape[0]} and {v.shape[0]} rows"
         )
-    compiled = backend == "auto" and _compiled_kernel_takes(q)
-    plan = plan_layout(cu_seqlens, N, layout, compiled)
+    plan, runs_on = plan_call(
+        q, k, v, cu_seqlens, scale=scale, layout=layout, backend=backend,
+        finite_inputs=finite_inputs,
+    )  # fmt: skip
     if N == 0:
         return q.new_zeros(0, q.shape[1], v.shape[2])
     if plan.layout == "varlen":
-        rule = _varlen_mask(tuple(cu_seqlens.tolist()))
-        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, N, D) views
         out = attention(
-            q4,
-            k4,
-            v4,
-            mask=rule,
+            *_as_one_sequence(q, k, v),
+            mask=_varlen_mask(tuple(cu_seqlens.tolist())),
             scale=scale,
-            backend=VARLEN_BACKEND if backend == "auto" and not compiled else backend,
+            backend=runs_on,
             finite_inputs=finite_inputs,
         )
         return out[0].transpose(0, 1)
-    return _padded(q, k, v, plan, scale, backend)
+    return _padded(q, k, v, plan, scale, runs_on)
 
 
-def _compiled_kernel_takes(q: torch.Tensor) -> bool:
-    """Whether `auto` would run this call on qkv's compiled CPU kernel (built at first use)."""
-    if q.device.type != "cpu" or q.dtype not in DTYPES:
-        return False
-    return kernel_status()[1] is None
+def plan_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    layout: str = "auto",
+    backend: object = "auto",
+    finite_inputs: bool = False,
+) -> tuple[PackedLayout, object]:
+    """The layout `packed_attention` takes for these arguments and the backend its
+    `qkv.attention` call gets. With backend "auto" and a layout that may be varlen, the varlen
+    request goes to `qkv.dispatch`: where auto would run it on the compiled CPU kernel (`cpu`),
+    that backend runs it as it is (and layout "auto" becomes varlen); any other choice runs
+    varlen on `VARLEN_BACKEND`, and padded on qkv's auto."""
+    plan = plan_layout(cu_seqlens, q.shape[0], layout)  # checks cu_seqlens and layout
+    if backend != "auto" or layout == "padded" or plan.total == 0:
+        return plan, backend
+    mask = _varlen_mask(tuple(cu_seqlens.tolist()))
+    decision = dispatch(
+        *_as_one_sequence(q, k, v), mask=mask, scale=scale, finite_inputs=finite_inputs
+    )
+    if decision.name == "cpu":
+        return plan_layout(cu_seqlens, plan.total, layout, compiled=True), decision.backend
+    return plan, VARLEN_BACKEND if plan.layout == "varlen" else backend
+
+
+def _as_one_sequence(q, k, v) -> tuple[torch.Tensor, ...]:
+    """The packed `(N, ·, ·)` tensors as one `(1, ·, N, ·)` sequence (views)."""
+    return tuple(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
 
 
 def _varlen_mask(cu: tuple[int, ...]) -> masks.Mask:

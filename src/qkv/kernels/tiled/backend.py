@@ -3,6 +3,8 @@ with O(N) extra memory, forward and backward, for every mask kind, score modifie
 
 Structured masks on the CPU can run their forward, when no gradient will be taken, on torch's
 fused C++ flash kernel fed strip by strip (`fused.py`).
+
+It also computes received attention, the column sums of A (`received.py`), for every request.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from ...numerics import once_differentiable
 from ...plan import AttentionPlan
 from ..base import Result
+from . import received as received_op
 from .fused import FusedStrips
 from .steps import (
     BLOCK_K,
@@ -156,3 +159,13 @@ class TiledBackend:
         tiles = TileProblem(plan, q, self.tiling)
         out, lse, _, _ = _ScoreModAttention.apply(q, k, v, tiles, *params)
         return out, lse, None
+
+    def why_not_received(self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        """Received attention runs for every valid plan (any device, dtype and mask)."""
+        return None
+
+    def received(
+        self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The column sums of A, a band of query rows at a time (`received.py`)."""
+        return received_op.received(plan, q, k, lse)
