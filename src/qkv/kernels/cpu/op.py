@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ...cache import lookup
-from ...numerics import once_differentiable
+from ...numerics import finite_rows, once_differentiable
 from ...pairs import OpPairs, Pairs
 from . import load
 from .tile_encoding import kernel_layout
@@ -146,7 +146,7 @@ def _poisoned_by_queries(q, k, out, dq, dk, dv):
     B = q.shape[0]
     if q.numel() == 0 or k.shape[2] == 0:
         return dq, dk, dv
-    bad = ~torch.isfinite(q).all(-1) & ~torch.isfinite(out).all(-1)  # (B, H, Nq)
+    bad = ~finite_rows(q) & ~finite_rows(out)  # (B, H, Nq), no O(N·d) temporaries
     heads = bad.view(B, k.shape[1], -1).any(-1).view(B, -1, 1, 1)  # (B, Hkv, 1, 1)
     # in place: the op's own results (their blocks may be reused, cpu/memory.py)
     dq.masked_fill_(bad.unsqueeze(-1), float("nan"))
