@@ -30,7 +30,8 @@ gold = qkv.attention(q.double(), k.double(), v.double(), backend="reference")
 print(d.name)
 print(d.reasons.get("cpu"))
 # the error-ratio rule: within 2x the fp32 reference's error, plus one fp32 rounding of the output
-bound = 2 * (ref.double() - gold).abs().max() + torch.finfo(torch.float32).eps * (gold.abs().max() + 0.3)
+eps = torch.finfo(torch.float32).eps
+bound = 2 * (ref.double() - gold).abs().max() + eps * (gold.abs().max() + 0.3)
 print(float((out.double() - gold).abs().max() / bound))
 """
 )
