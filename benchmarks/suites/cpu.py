@@ -775,8 +775,8 @@ def limit_rows(r: Results) -> list[tuple[str, rp.Row, str]]:
                         "gflops",
                     )
                 )
-            if (p_ := ("sliding", dt)) in [tuple(x) for x in s["patterns"]]:
-                case = Pattern(p_[0], s["sparse_n"], dt)
+            if ["sliding", dt] in [list(x) for x in s["patterns"]]:
+                case = Pattern("sliding", s["sparse_n"], dt)
                 rows.append(
                     (
                         f"sliding window {dt}, N={s['sparse_n']}",

@@ -79,7 +79,7 @@ def test_float32_and_float16_run_the_avx512_arithmetic(monkeypatch, dtype, shape
         assert torch.equal(a, b), f"{what}: max diff {(a.double() - b.double()).abs().max():.3e}"
 
 
-H8 = scores.alibi(scores.alibi_slopes(4))
+ALIBI_4_HEADS = scores.alibi(scores.alibi_slopes(4))
 MATRIX = {
     "dense": (dict(B=2, H=4, Nq=300, D=64), {}),
     "causal-gqa": (dict(B=1, H=8, Hkv=2, Nq=257, D=64), dict(causal=True)),
@@ -92,7 +92,7 @@ MATRIX = {
     "document": (dict(B=1, H=4, Nq=300, D=64), dict(mask=masks.document([100, 37, 163]))),
     "alibi-softcap": (
         dict(B=1, H=4, Nq=200, D=64),
-        dict(causal=True, score_mod=scores.compose(H8, scores.softcap(2.0))),
+        dict(causal=True, score_mod=scores.compose(ALIBI_4_HEADS, scores.softcap(2.0))),
     ),
     "decode": (dict(B=2, H=8, Hkv=2, Nq=1, Nk=1000, D=64), {}),
     "decode-window": (dict(B=1, H=4, Nq=3, Nk=700, D=64), dict(causal=True)),
@@ -133,3 +133,15 @@ def test_bfloat16_dropout_drops_what_the_reference_drops(monkeypatch, causal):
     gold = qkv.attention(q.double(), k.double(), eye.double(), dropout_p=0.25, causal=causal,
                          backend="reference")  # fmt: skip
     assert_error_ratio(got, ref, gold)
+
+
+def test_the_core_limits_probe_measures_and_refuses_a_bad_kind():
+    """`torch.ops.qkv_cpu.peak_gflops`, the cpu suite's limits: a positive rate for the float32
+    FMAs on an x86 CPU with AVX2 or AVX-512, 0 for the dot products where the CPU lacks them,
+    and a clear error for a kind it does not know."""
+    peak = torch.ops.qkv_cpu.peak_gflops
+    if OPS.isa_supported("avx2"):
+        assert peak("fma_f32", 0.02) > 0
+    assert (peak("dp_bf16", 0.02) > 0) == bool(OPS.isa_supported(PATH))
+    with pytest.raises(RuntimeError, match="fma_f32 or dp_bf16"):
+        peak("fma64", 0.02)

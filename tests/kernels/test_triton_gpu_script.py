@@ -93,3 +93,17 @@ def test_targets_and_tables_from_results():
     assert "| 8192 | dense | 2.00 ms · " in md
     assert "- `sdpa-cudnn` failed: RuntimeError: no kernel: d=128, n=8192, pattern=dense fwd." in md
     assert "| window forward ≥ 1.0× Flex | ≥ 1× | 1.50× | PASS |" in md
+
+
+def test_torchs_sync_mode_notice_is_not_a_sync():
+    """torch warns once that the sync debug mode is a prototype; that notice is not a
+    synchronizing call (the H200 run recorded it as one), a real sync still is."""
+    notice = gpu.SYNC_MODE_NOTICE + " and does not yet detect all synchronizing operations"
+    real = "called a synchronizing CUDA operation"
+    assert gpu.real_syncs([notice, real]) == [real]
+    check = {"check": "no host syncs", "pass": False, "syncs": {"dense": [notice], "causal": []}}
+    res = Results(suite="gpu", mode="full", command="-", machine={})
+    res.stages["correctness"] = [check]
+    assert "| no host syncs | ok |" in gpu.correctness_lines(res)
+    check["syncs"]["causal"] = [real]
+    assert f"| no host syncs | FAIL: causal: {real} |" in gpu.correctness_lines(res)

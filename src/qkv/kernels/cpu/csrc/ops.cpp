@@ -48,9 +48,7 @@ bool amx_usable() {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool tiles = (d >> 24) & 1u, tile_bf16 = (d >> 22) & 1u;
-    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-    const bool avx512_bf16 = (a >> 5) & 1u;
-    if (!(tiles && tile_bf16 && avx512_bf16)) return false;
+    if (!(tiles && tile_bf16 && __builtin_cpu_supports("avx512bf16"))) return false;
 #if defined(__linux__)
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 #else
@@ -58,12 +56,6 @@ bool amx_usable() {
 #endif
   }();
   return ok;
-}
-
-// AVX512-BF16 (CPUID leaf 7, subleaf 1, EAX bit 5): the dot product of bfloat16 pairs
-bool avx512_bf16() {
-  unsigned a, b, c, d;
-  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1u);
 }
 #endif
 
@@ -76,7 +68,7 @@ bool isa_supported(const std::string& isa) {
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   if (isa == "avx512") return avx512;
-  if (isa == "avx512bf16") return avx512 && avx512_bf16();
+  if (isa == "avx512bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
   if (isa == "amx") return avx512 && amx_usable();
 #endif
   return false;

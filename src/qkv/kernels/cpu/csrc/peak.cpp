@@ -23,9 +23,7 @@ namespace {
 // their sum goes to *sink (so none is dropped). Returns GFLOP/s.
 #define QKV_PEAK_PROBE(NAME, TARGET, VEC, SET1, STEP, FLOPS)                              \
   __attribute__((target(TARGET))) double NAME(double seconds, float seed, float* sink) {  \
-    _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-variable\"") \
     QKV_PEAK_ALL(QKV_PEAK_INIT_##VEC)                                                     \
-    _Pragma("GCC diagnostic pop")                                                          \
     int64_t n = 0;                                                                         \
     const auto t0 = std::chrono::steady_clock::now();                                      \
     double t = 0;                                                                          \
