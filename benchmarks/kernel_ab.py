@@ -5,9 +5,9 @@ the kernel (its C++ or its Python) move its speed?
 
 REV (a commit) is checked out into a temporary git worktree; each tree's kernel is built (once
 per source hash, in the usual cache), then every round runs a fixed set of calls (dense and
-causal N=4096 fp32/bf16 forward and forward + backward, a sliding window of 256 at N=16384,
-decoding at Nk=32768) in a fresh process per tree and path, the trees' order reversed every
-other round. Per call: the minimum of a few calls in a process, then the minimum over rounds;
+causal N=4096 fp32/bf16 forward and forward + backward, a fp32/bf16 sliding window of 256 at
+N=16384, decoding at Nk=32768) in a fresh process per tree and path, the trees' order reversed
+every other round. Per call: the minimum of a few calls in a process, then the minimum over rounds;
 printed as base ms, this tree's ms and their ratio (< 1: this tree is faster), with each tree's
 range over the rounds, the width of the noise. Run it on a quiet machine.
 """
@@ -46,11 +46,12 @@ for dt in (torch.float32, torch.bfloat16):
             o = qkv.attention(*leaves, causal=causal, backend="cpu")
             o.backward(torch.ones_like(o))
         out[name + " fwd+bwd"] = best(fwd_bwd, 2)
-q, k, v = (torch.randn(1, 8, 16384, 64) for _ in range(3))
-with torch.no_grad():
-    window = masks.sliding_window(256)
-    fwd = lambda: qkv.attention(q, k, v, mask=window, backend="cpu")
-    out["float32 window 256 N=16384 fwd"] = best(fwd, 3)
+window = masks.sliding_window(256)
+for dt in (torch.float32, torch.bfloat16):
+    q, k, v = (torch.randn(1, 8, 16384, 64).to(dt) for _ in range(3))
+    with torch.no_grad():
+        fwd = lambda: qkv.attention(q, k, v, mask=window, backend="cpu")
+        out[f"{str(dt)[6:]} window 256 N=16384 fwd"] = best(fwd, 3)
 q = torch.randn(1, 32, 1, 128)
 k, v = (torch.randn(1, 8, 32768, 128) for _ in range(2))
 with torch.no_grad():

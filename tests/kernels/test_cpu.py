@@ -203,6 +203,21 @@ def test_nan_and_inf_in_masked_keys_and_values_do_not_leak(n):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_a_non_finite_value_in_a_shared_key_tile_reaches_only_the_rows_that_see_it():
+    # bfloat16 causal at N = 512: every key tile is whole and read by several query tiles, so the
+    # tile paths pack each tile's K and V once per call and share them (fwd_pair_tile). Value 300
+    # is inf: the rows before it never see it and stay finite (their P·V over its tile must skip
+    # the exact zeros of P, not multiply them by inf), within the rule like every finite entry;
+    # the rows from it on carry the inf, as in the formula.
+    q, k, v = make_qkv(B=1, H=4, Hkv=2, Nq=512, Nk=512, D=64, dtype=torch.bfloat16)
+    v[:, :, 300, 5] = float("inf")
+    out = qkv.attention(q, k, v, causal=True, backend="cpu")
+    ref = qkv.attention(q, k, v, causal=True, backend="reference")
+    assert_error_ratio(out, ref, golden(q, k, v, causal=True))
+    assert torch.isfinite(out[:, :, :300]).all()
+    assert not torch.isfinite(out[:, :, 300:, 5]).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_lse_and_its_gradient(dtype):
     q, k, v = make_qkv(B=2, H=6, Hkv=3, Nq=50, Nk=77, D=24, dtype=dtype, requires_grad=True)

@@ -239,7 +239,7 @@ QKV_STEP void bwd_dp(const Problem& P, const BwdChunk& ch, bool exact, int64_t n
       parts_of(w.f32.dc, ci, ch.dpe, bq, nr, P.Dv, w.dO, Dvp, 1.0f) == PARTS_PACKED) {
     tile_chain3_f64(nr, P.Dv, w.f32.dc.parts + ci * ch.dpe, w.f32.vb3, w.dp64, BK);
   } else if (!exact && bwd_on_tiles(P) &&
-             tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, w.o, BK)) {
+             tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, nullptr, w.o, BK)) {
     for (int64_t x = 0; x < nr * BK; ++x) w.dp64[x] = (double)w.o[x];
   } else {
     gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);

@@ -47,7 +47,11 @@ static inline void pack_b(const float* y, int64_t ldb, int64_t kn, uint32_t* dst
 }
 
 // The K rows of y (ld ldb) over column blocks 0 … nt−1 as B blocks: step kk, block t at
-// bt + (kk · per_step + t) · 256
+// bt + (kk · per_step + t) · 256 (tile_b_elems(K, per_step) uint32 in all). The forward packs a
+// key tile's K and V this way once per call where several items read the tile (packing.h).
+static inline int64_t tile_b_elems(int64_t K, int64_t per_step) {
+  return (K + TILE_K - 1) / TILE_K * per_step * 256;
+}
 static inline void pack_b_blocks(const float* y, int64_t ldb, int64_t K, int64_t nt, int64_t per_step,
                                  uint32_t* bt) {
   for (int64_t kk = 0; kk * TILE_K < K; ++kk)

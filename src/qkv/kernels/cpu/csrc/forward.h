@@ -169,10 +169,12 @@ QKV_STEP void fwd_acc_from_tiles(const Problem& P, int64_t M, FwdBufs& w) {
   for (int64_t x = 0; x < M * P.Dvp; ++x) w.acc[x] = (double)w.bf16.accf[x];
 }
 
-// Key tile e of the item's row: its place, its K operand (packed in the worker's store, or its
-// rows read in place or loaded for decoding), its V operand, and its columns' dropout hashes
+// Key tile e of the item's row: its place, its K operand (bfloat16: the call's store of pairs;
+// else packed in the worker's store, or its rows read in place or loaded for decoding), its V
+// operand (floats unless the tiles add this P·V from the store's pairs), and its columns'
+// dropout hashes
 QKV_STEP FwdTile fwd_tile_operands(const Problem& P, const FwdPlan& F, const FwdItem& it,
-                                   int64_t e, FwdBufs& w) {
+                                   int64_t e, bool tiles_pv, FwdBufs& w) {
   const Layout& L = P.lay;
   const int64_t b = it.b, hkv = it.hkv, Dp = P.Dp, Dvp = P.Dvp;
   FwdTile t;
@@ -183,7 +185,11 @@ QKV_STEP FwdTile fwd_tile_operands(const Problem& P, const FwdPlan& F, const Fwd
   t.edge = t.kw == BK ? ~0ull : ((1ull << t.kw) - 1);
   t.krows = w.kr;
   t.ldk = Dp;
-  if (!P.dot_scores) {
+  w.tile.kpairs = w.tile.vpairs = nullptr;
+  const bool pairs = fwd_pair_tile(P, F, b, hkv, t.j, t.c0, t.kw, w);
+  if (pairs) {
+    // K's pairs only: the bfloat16 scores read no float K (no exact rows, no key norms)
+  } else if (!P.dot_scores) {
     const bool whole = P.dtype == DT_F32 && t.kw == BK && P.D == Dp;  // kt from the tensor, no kr
     fwd_key_tile(P, F, b, hkv, t.j, t.c0, t.kw, !whole && P.precise_scores, w,
                  it.e1 - it.e0 <= KT_SLOTS);
@@ -198,10 +204,14 @@ QKV_STEP FwdTile fwd_tile_operands(const Problem& P, const FwdPlan& F, const Fwd
     for (int64_t jj = 0; jj < t.kw; ++jj)
       load_row(row_of(P.k, P.dtype, b, hkv, t.c0 + jj), P.dtype, P.D, Dp, w.kr + jj * Dp);
   }
-  if (P.dtype == DT_F32 && P.Dv == Dvp && t.kw == BK) {
+  if (tiles_pv && w.tile.vpairs) {
+    t.vb = nullptr;  // (its finiteness is known: tile_v_finite reads no row)
+    t.ldv = Dvp;
+  } else if (P.dtype == DT_F32 && P.Dv == Dvp && t.kw == BK) {
     t.vb = (const float*)row_of(P.v, P.dtype, b, hkv, t.c0);
     t.ldv = P.v.sn;
   } else {
+    w.tile.vpairs = nullptr;
     pack_v(P, b, hkv, t.c0, t.kw, w, false, nullptr);
     t.vb = w.vr;
     t.ldv = Dvp;
@@ -312,7 +322,7 @@ QKV_STEP void fwd_softmax_rows(const Problem& P, int64_t M, const FwdTile& t, bo
 QKV_STEP void fwd_pv(const Problem& P, int64_t M, const FwdTile& t, bool& tiles_pv, FwdBufs& w) {
   const int64_t Dvp = P.Dvp, gs = t.gs;
   if (tiles_pv && t.v_finite) {  // the tiles add P V over the whole tile (P = 0 outside the spans)
-    tile_pv(M, Dvp, t.kw, w.bf16.pa, t.vb, t.ldv, w.bf16.accf, Dvp, w.alpha);
+    tile_pv(M, Dvp, t.kw, w.bf16.pa, t.vb, t.ldv, w.tile.vpairs, w.bf16.accf, Dvp, w.alpha);
     return;
   }
   if (tiles_pv) {  // from here on the float kernels, which skip P = 0 exactly
@@ -405,7 +415,7 @@ static void fwd_item(const Problem& P, const FwdPlan& F, const FwdItem& it, FwdB
   fwd_pack_rows(P, x.M, w);
   bool tiles_pv = fwd_start_acc(P, x.M, w);
   for (int64_t e = it.e0; e < it.e1; ++e) {
-    FwdTile t = fwd_tile_operands(P, F, it, e, w);
+    FwdTile t = fwd_tile_operands(P, F, it, e, tiles_pv, w);
     fwd_tile_scores(P, x.M, t, w);
     t.v_finite = tile_v_finite(P, F, it.b, it.hkv, t.j, t.vb, t.kw, t.ldv);
     fwd_softmax_rows(P, x.M, t, tiles_pv && t.v_finite, w);

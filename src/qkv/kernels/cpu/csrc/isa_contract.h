@@ -133,12 +133,14 @@ QKV_CONSTANT(TILE_PV_N, int64_t);
 QKV_CONSTANT(TILE_F32, bool);
 // bfloat16: the scores (rows packed once per item, or here), P·V, and the backward's products
 QKV_PROVIDES(tile_gemm, bool (*)(int64_t, int64_t, int64_t, const float*, int64_t, const uint16_t*,
-                                 const float*, int64_t, float*, int64_t));
+                                 const float*, int64_t, const uint32_t*, float*, int64_t));
+QKV_PROVIDES(tile_b_elems, int64_t (*)(int64_t, int64_t));
+QKV_PROVIDES(pack_b_blocks, void (*)(const float*, int64_t, int64_t, int64_t, int64_t, uint32_t*));
 QKV_PROVIDES(tile_a_elems, int64_t (*)(int64_t, int64_t));
 QKV_PROVIDES(tile_pack_rows, void (*)(int64_t, int64_t, const float*, int64_t, uint16_t*, float));
 QKV_PROVIDES(tile_put_p, void (*)(V16, V16, uint16_t*, int64_t, int64_t));
 QKV_PROVIDES(tile_pv, void (*)(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
-                               float*, int64_t, const double*));
+                               const uint32_t*, float*, int64_t, const double*));
 QKV_PROVIDES(tile_pack_a, void (*)(int64_t, int64_t, const float*, int64_t, bool, int, uint16_t*));
 QKV_PROVIDES(tile_acc, void (*)(int64_t, int64_t, int64_t, const uint16_t*, int, const float*,
                                 int64_t, uint32_t*, double*, int64_t));

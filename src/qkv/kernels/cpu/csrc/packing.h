@@ -59,18 +59,67 @@ static double key_norm_max(const Problem& P, const float* kt, int64_t kw) {
   return __builtin_sqrt((double)mx);
 }
 
-// The call-wide parts of the key tiles (FwdPlan.kparts), where the rows of tiles are on average
-// longer than a worker's slots (dense, causal): there every item packed every key tile of its
-// row afresh (the transposition, the norms and the split: 7–9% of the dense forward's samples);
-// with the store each tile is packed once per call. Up to KSHARE_MAX_BYTES (dense N = 4096,
-// H = 8, D = 64: 12 MiB), so that long sparse rows (the Longformer's memory) are not charged.
+// The call's store of packed key tiles (FwdPlan.kparts), one entry per (b, hkv, key tile), packed
+// by the first item that reaches the tile and read by the others:
+// - float32 scores on the tile unit: the key tile's three parts, where the rows of tiles are on
+//   average longer than a worker's slots (dense, causal): there every item packed every key tile
+//   of its row afresh (the transposition, the norms and the split: 7–9% of the dense forward's
+//   samples);
+// - bfloat16 on the tile unit or the dot-product instruction (fwd_pairs_on): K as the scores' B
+//   blocks and V as P·V's, where a key tile is read by two items or more on average: packing
+//   them per item (bfloat16 → float → pairs) took a quarter of the amx path's dense N = 4096
+//   forward.
+// Up to KSHARE_MAX_BYTES (dense N = 4096, H = 8, D = 64: 12 MiB of parts, 8 MiB of pairs), so
+// that long sparse rows (the Longformer's memory) are not charged.
 constexpr int64_t KSHARE_MAX_BYTES = int64_t(64) << 20;
+static inline bool fwd_pairs_on(const Problem& P) {
+  return on_tiles(P) && !P.dot_scores && P.D <= TILE_K_MAX && P.Dvp <= TILE_PV_N;
+}
+static inline int64_t fwd_pair_elems(const Problem& P) {  // K's blocks, then V's
+  return tile_b_elems(P.D, 4) + tile_b_elems(BK, P.Dvp / 16);
+}
 static int64_t fwd_share_elems(const Problem& P) {
-  if (!scores_on_tiles(P) || P.D != P.Dp) return 0;
   const Layout& L = P.lay;
-  const int64_t elems = P.B * P.Hkv * L.nkb * tile_b3_elems(P.D);
-  const bool long_rows = L.row_ptr[L.nqb] > KT_SLOTS * L.nqb;
-  return long_rows && elems * 4 <= KSHARE_MAX_BYTES ? elems : 0;
+  const int64_t tiles = P.B * P.Hkv * L.nkb, kept = L.row_ptr[L.nqb];
+  int64_t elems = 0;
+  if (scores_on_tiles(P) && P.D == P.Dp && kept > KT_SLOTS * L.nqb)
+    elems = tiles * tile_b3_elems(P.D);
+  else if (fwd_pairs_on(P) && kept >= 2 * L.nkb)
+    elems = tiles * fwd_pair_elems(P);
+  return elems * 4 <= KSHARE_MAX_BYTES ? elems : 0;
+}
+
+// bfloat16 (fwd_pairs_on, with the call's store): point w.tile.kpairs at key tile j's K blocks
+// and w.tile.vpairs at its V blocks (null where V is not all finite: the float kernels add that
+// P·V), packed by the first item to reach the tile, which also records V's finiteness
+// (F.v_finite). False where the tile is not whole or another item is packing it (the caller
+// packs its own operands then, as without the store).
+static bool fwd_pair_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t hkv, int64_t j,
+                          int64_t c0, int64_t kw, FwdBufs& w) {
+  if (!F.kparts || !fwd_pairs_on(P) || kw != BK) return false;
+  const int64_t tag = (b * P.Hkv + hkv) * P.lay.nkb + j;
+  int32_t* state = F.kstate + tag;
+  uint32_t* kp = F.kparts + tag * fwd_pair_elems(P);
+  uint32_t* vp = kp + tile_b_elems(P.D, 4);
+  int32_t st = __atomic_load_n(state, __ATOMIC_ACQUIRE), idle = KEY_TILE_IDLE;
+  if (st == KEY_TILE_IDLE && __atomic_compare_exchange_n(state, &idle, KEY_TILE_PACKING, false,
+                                                         __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    w.kt = w.keys.kt;  // slot 0, which then holds no tile of its own
+    w.keys.tag[0] = -1;
+    pack_k(P, b, hkv, c0, kw, w, false, false);
+    pack_b_blocks(w.kt, BK, P.D, 4, 4, kp);
+    pack_v(P, b, hkv, c0, kw, w, false, nullptr);
+    pack_b_blocks(w.vr, P.Dvp, kw, P.Dvp / 16, P.Dvp / 16, vp);
+    const bool finite = rows_finite(w.vr, kw, P.Dvp, P.Dvp);
+    __atomic_store_n(F.v_finite + tag, finite ? V_TILE_FINITE : V_TILE_NONFINITE, __ATOMIC_RELAXED);
+    __atomic_store_n(state, KEY_TILE_READY, __ATOMIC_RELEASE);
+    st = KEY_TILE_READY;
+  }
+  if (st != KEY_TILE_READY) return false;
+  w.tile.kpairs = kp;
+  const bool v_finite = __atomic_load_n(F.v_finite + tag, __ATOMIC_RELAXED) == V_TILE_FINITE;
+  w.tile.vpairs = v_finite ? vp : nullptr;
+  return true;
 }
 
 // key tile j (rows c0 …) into w.kt, its largest key norm into *kmax and its three parts (scores
@@ -95,7 +144,7 @@ static void fwd_key_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t 
   KeyTileStore& s = w.keys;
   const int64_t tag = (b * P.Hkv + hkv) * P.lay.nkb + j, slot = keep ? j % KT_SLOTS : 0;
   w.kt = s.kt + slot * P.Dp * BK;
-  if (F.kparts && !keep && !need_kr && kw == BK) {
+  if (F.kparts && scores_on_tiles(P) && !keep && !need_kr && kw == BK) {
     int32_t* state = F.kstate + tag;
     int32_t st = __atomic_load_n(state, __ATOMIC_ACQUIRE), idle = KEY_TILE_IDLE;
     uint32_t* parts = F.kparts + tag * tile_b3_elems(P.D);

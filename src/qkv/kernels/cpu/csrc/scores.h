@@ -70,7 +70,8 @@ static void block_scores(const Problem& P, StepBufs& w, int64_t R0, int64_t M, i
     return;
   }
   const uint16_t* qa = w.tile.qa_on ? w.tile.qa + tile_a_elems(R0, P.D) : nullptr;
-  const bool tiles = on_tiles(P) && tile_gemm(M, N, P.D, q, Dp, qa, kt, BK, s, BK);
+  const uint32_t* kp = w.tile.kpairs ? w.tile.kpairs + lo * 256 : nullptr;  // block lo's pairs
+  const bool tiles = on_tiles(P) && tile_gemm(M, N, P.D, q, Dp, qa, kt, BK, kp, s, BK);
   if (!tiles) gemm(M, N, P.D, q, Dp, 1, kt, BK, s, BK);
   if (tiles && w.tile.qa_scaled) return;  // the rows came scaled by a power of two: the same bits
   const V16 scale = v_set(P.mods.scale);

@@ -13,9 +13,9 @@
 // (bwd_reserve). `rows`: the most rows a tile step handles (forward G·bq, backward bq, its row
 // pass G·bq).
 
-// The tile unit's operands of a step's scores (amx; unused on the other paths): the step's rows
-// as A tiles (bfloat16: one part, tile_pack_rows; float32: three, tile_pack_rows3) and, float32,
-// the key tile's three parts (tile_pack_keys3).
+// The tile unit's operands of a step's scores (amx, avx512bf16; unused on the other paths): the
+// step's rows as A tiles (bfloat16: one part, tile_pack_rows; float32: three, tile_pack_rows3)
+// and the key tile's blocks (float32: three parts, tile_pack_keys3; bfloat16: pairs).
 struct TileOperands {
   uint16_t* qa;    // the rows as A tiles
   bool qa_on;      // qa holds the rows of w.q (packed once per forward item or backward query
@@ -25,6 +25,9 @@ struct TileOperands {
   bool qbad_any;   // … some row of the forward's item
   uint32_t* kb;    // float32: the key tile's parts (the forward's: in its slot of the store)
   uint64_t kbad;   // … its keys the split cannot carry (gemm_chain forms them)
+  // bfloat16, the forward: the key tile's K and V as B blocks from the call's store
+  // (fwd_pair_tile), or null (the products pack them)
+  const uint32_t *kpairs, *vpairs;
 };
 
 // Both passes: one tile step
@@ -159,6 +162,7 @@ static void step_init(StepBufs& w, int64_t R) {
   __builtin_memset(w.exact, 0, (size_t)R);
   w.tile.qa_on = w.tile.qa_scaled = w.tile.qbad_any = false;
   w.tile.kbad = 0;
+  w.tile.kpairs = w.tile.vpairs = nullptr;
 }
 
 // The forward's buffers (rows: G·bq); the key-tile store where the scores use packed key tiles

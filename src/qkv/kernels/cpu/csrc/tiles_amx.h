@@ -82,20 +82,23 @@ static inline __attribute__((always_inline)) void c_tiles_dp(int64_t nt, const u
 }
 
 // The scores' product C[M×N] = A[M×K]·B[K×N] (C ld ldc; B ld ldb, floats holding bfloat16
-// values; A the rows' tiles from tile_pack_rows, or, with apack null, floats (ld lda) packed
-// here). N a multiple of 16. Each element is the unit's float sum over K in steps of 32, the
+// values, or, with bpairs, B's blocks already packed (pack_b_blocks, 4 blocks a step; N ≤ 64);
+// A the rows' tiles from tile_pack_rows, or, with apack null, floats (ld lda) packed here). N a
+// multiple of 16. Each element is the unit's float sum over K in steps of 32, the
 // same whatever M, N and the element's place. False (nothing done) where K > TILE_K_MAX.
 static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                      const uint16_t* apack, const float* B, int64_t ldb, float* C, int64_t ldc) {
+                      const uint16_t* apack, const float* B, int64_t ldb, const uint32_t* bpairs,
+                      float* C, int64_t ldc) {
   if (K > TILE_K_MAX) return false;
   const int64_t nk = (K + TILE_K - 1) / TILE_K;
-  alignas(64) uint32_t bt[TILE_K_MAX / TILE_K * 4 * 256];
+  alignas(64) uint32_t bs[TILE_K_MAX / TILE_K * 4 * 256];
   alignas(64) uint16_t ah[TILE_K_MAX / TILE_K * 512];
   alignas(64) float cs[16 * 64];
   tiles_on();
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
     const int64_t nt = (N - n0) / 16 < 4 ? (N - n0) / 16 : 4;
-    pack_b_blocks(B + n0, ldb, K, nt, 4, bt);
+    const uint32_t* bt = bpairs ? bpairs : bs;
+    if (!bpairs) pack_b_blocks(B + n0, ldb, K, nt, 4, bs);
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t rows = M - m0 < 16 ? M - m0 : 16;
       const uint16_t* a = rows_blocks(A, lda, apack, m0, rows, K, ah);
@@ -117,16 +120,19 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
   return true;
 }
 
-// acc[M×N] (float, ld ldc, rows padded to a multiple of 16) = acc·alpha[m] + A·B with A (M × K,
-// K ≤ 64) packed by tile_put_p (P·V of the forward for bfloat16 inputs): acc is loaded into the C tiles, the products
-// add to it there, and it is stored back; rows whose α is 1 (the row's maximum did not move)
-// are not touched by the vector unit at all. K ≤ 64, N ≤ TILE_PV_N and a multiple of 16.
+// acc[M×N] (float, ld ldc, rows padded to a multiple of 16) = acc·alpha[m] + A·B, the forward's
+// P·V for bfloat16 inputs: A (M × K, K ≤ 64) packed by tile_put_p, B (ld ldb) packed here or
+// already (bpairs: pack_b_blocks, N/16 blocks a step). acc is loaded into the C tiles, the
+// products add to it there, and it is stored back; rows whose α is 1 (the row's maximum did not
+// move) are not touched by the vector unit at all. N ≤ TILE_PV_N and a multiple of 16.
 static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ap,
-                    const float* B, int64_t ldb, float* acc, int64_t ldc, const double* alpha) {
+                    const float* B, int64_t ldb, const uint32_t* bpairs, float* acc, int64_t ldc,
+                    const double* alpha) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
-  alignas(64) uint32_t bt[2 * (TILE_PV_N / 16) * 256];
+  alignas(64) uint32_t bs[2 * (TILE_PV_N / 16) * 256];
   tiles_on();
-  pack_b_blocks(B, ldb, K, ntt, ntt, bt);
+  if (!bpairs) pack_b_blocks(B, ldb, K, ntt, ntt, bs);
+  const uint32_t* bt = bpairs ? bpairs : bs;
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
     for (int64_t r = 0; r < rows; ++r) {

@@ -108,16 +108,19 @@ static void dp_product(const DpArgs& g, int64_t r0, int64_t rows, int64_t nt) {
 
 // The scores' product C[M×N] = A[M×K]·B[K×N] (as tiles_amx.h's tile_gemm: A the rows' blocks
 // from tile_pack_rows, or, with apack null, floats (ld lda) packed here; B ld ldb, floats holding
-// bfloat16 values; N a multiple of 16). False (nothing done) where K > TILE_K_MAX.
+// bfloat16 values, or, with bpairs, its blocks already packed (N ≤ 64); N a multiple of 16).
+// False (nothing done) where K > TILE_K_MAX.
 static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                      const uint16_t* apack, const float* B, int64_t ldb, float* C, int64_t ldc) {
+                      const uint16_t* apack, const float* B, int64_t ldb, const uint32_t* bpairs,
+                      float* C, int64_t ldc) {
   if (K > TILE_K_MAX) return false;
   const int64_t nk = (K + TILE_K - 1) / TILE_K;
-  alignas(64) uint32_t bt[TILE_K_MAX / TILE_K * 4 * 256];
+  alignas(64) uint32_t bs[TILE_K_MAX / TILE_K * 4 * 256];
   alignas(64) uint16_t ah[TILE_K_MAX / TILE_K * 512];
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
     const int64_t nt = (N - n0) / 16 < 4 ? (N - n0) / 16 : 4;
-    pack_b_blocks(B + n0, ldb, K, nt, 4, bt);
+    const uint32_t* bt = bpairs ? bpairs : bs;
+    if (!bpairs) pack_b_blocks(B + n0, ldb, K, nt, 4, bs);
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t rows = M - m0 < 16 ? M - m0 : 16;
       const uint16_t* a = rows_blocks(A, lda, apack, m0, rows, K, ah);
@@ -129,13 +132,16 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
   return true;
 }
 
-// acc[M×N] (float, ld ldc) = acc·alpha[m] + A·B with A (M × K, K ≤ 64) packed by tile_put_p:
-// the forward's P·V for bfloat16 inputs (tiles_amx.h's tile_pv). N ≤ TILE_PV_N, a multiple of 16.
+// acc[M×N] (float, ld ldc) = acc·alpha[m] + A·B with A (M × K, K ≤ 64) packed by tile_put_p
+// and B packed here, or already (bpairs): the forward's P·V for bfloat16 inputs (tiles_amx.h's
+// tile_pv). N ≤ TILE_PV_N, a multiple of 16.
 static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ap, const float* B,
-                    int64_t ldb, float* acc, int64_t ldc, const double* alpha) {
+                    int64_t ldb, const uint32_t* bpairs, float* acc, int64_t ldc,
+                    const double* alpha) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
-  alignas(64) uint32_t bt[2 * (TILE_PV_N / 16) * 256];
-  pack_b_blocks(B, ldb, K, ntt, ntt, bt);
+  alignas(64) uint32_t bs[2 * (TILE_PV_N / 16) * 256];
+  if (!bpairs) pack_b_blocks(B, ldb, K, ntt, ntt, bs);
+  const uint32_t* bt = bpairs ? bpairs : bs;
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const DpArgs g{(const uint32_t*)(ap + m0 / 16 * 2 * 512), 256, 0, 1, bt, 256, ntt * 256, nk,
                    acc + m0 * ldc, ldc, alpha + m0, nullptr, 0};

@@ -11,14 +11,16 @@ static constexpr bool TILE_F32 = false;
 
 // bfloat16 products
 static inline bool tile_gemm(int64_t, int64_t, int64_t, const float*, int64_t, const uint16_t*,
-                             const float*, int64_t, float*, int64_t) {
+                             const float*, int64_t, const uint32_t*, float*, int64_t) {
   return false;
 }
+static inline int64_t tile_b_elems(int64_t, int64_t) { return 0; }
+static inline void pack_b_blocks(const float*, int64_t, int64_t, int64_t, int64_t, uint32_t*) {}
 static inline int64_t tile_a_elems(int64_t, int64_t) { return 0; }
 static inline void tile_pack_rows(int64_t, int64_t, const float*, int64_t, uint16_t*, float) {}
 static inline void tile_put_p(V16, V16, uint16_t*, int64_t, int64_t) {}
 static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
-                           float*, int64_t, const double*) {}
+                           const uint32_t*, float*, int64_t, const double*) {}
 static inline void tile_pack_a(int64_t, int64_t, const float*, int64_t, bool, int, uint16_t*) {}
 static inline void tile_acc(int64_t, int64_t, int64_t, const uint16_t*, int, const float*, int64_t,
                             uint32_t*, double*, int64_t) {}
