@@ -59,6 +59,13 @@ static inline void pack_b_blocks(const float* y, int64_t ldb, int64_t K, int64_t
       pack_b(y + kk * TILE_K * ldb + 16 * t, ldb, K - kk * TILE_K < TILE_K ? K - kk * TILE_K : TILE_K,
              bt + (kk * per_step + t) * 256);
 }
+// A product's B blocks: `given` (packed already, the forward's store), or y's packed into scratch
+static inline const uint32_t* b_blocks(const uint32_t* given, const float* y, int64_t ldb,
+                                       int64_t K, int64_t nt, int64_t per_step, uint32_t* scratch) {
+  if (given) return given;
+  pack_b_blocks(y, ldb, K, nt, per_step, scratch);
+  return scratch;
+}
 
 // Rows of A (M × K, ld lda), times scale (a power of two: exact), as the A tiles tile_gemm
 // reads: row block m0/16, step kk at dst + (m0/16 · nk + kk) · 512, nk = ⌈K/32⌉ (tile_a_elems)

@@ -58,19 +58,6 @@ static void finish_rows(const Problem& P, int64_t b, int64_t hkv, int64_t r0, in
   }
 }
 
-// whether V tile j of (b, hkv) is all finite: computed by the first item that reads it, then
-// remembered for the call (a benign race: every writer stores the same value)
-static inline bool tile_v_finite(const Problem& P, const FwdPlan& F, int64_t b, int64_t hkv,
-                                 int64_t j, const float* vb, int64_t kw, int64_t ldv) {
-  int8_t* flag = F.v_finite + (b * P.Hkv + hkv) * P.lay.nkb + j;
-  int8_t known = __atomic_load_n(flag, __ATOMIC_RELAXED);
-  if (known == V_TILE_UNKNOWN) {
-    known = rows_finite(vb, kw, ldv, P.Dvp) ? V_TILE_FINITE : V_TILE_NONFINITE;
-    __atomic_store_n(flag, known, __ATOMIC_RELAXED);
-  }
-  return known == V_TILE_FINITE;
-}
-
 // The spans of 16-key chunks that the rows of a PARTIAL tile attend, per group of 16 rows, into
 // w.glo / w.ghi (lo > hi: none): the group size, 16, or M when every group spans every chunk
 static int64_t group_spans(const Problem& P, int64_t code, uint64_t edge, int64_t n_chains,

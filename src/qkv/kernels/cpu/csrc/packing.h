@@ -89,6 +89,19 @@ static int64_t fwd_share_elems(const Problem& P) {
   return elems * 4 <= KSHARE_MAX_BYTES ? elems : 0;
 }
 
+// whether V tile j of (b, hkv) is all finite: computed by the first item that reads it, then
+// remembered for the call (a benign race: every writer stores the same value)
+static inline bool tile_v_finite(const Problem& P, const FwdPlan& F, int64_t b, int64_t hkv,
+                                 int64_t j, const float* vb, int64_t kw, int64_t ldv) {
+  int8_t* flag = F.v_finite + (b * P.Hkv + hkv) * P.lay.nkb + j;
+  int8_t known = __atomic_load_n(flag, __ATOMIC_RELAXED);
+  if (known == V_TILE_UNKNOWN) {
+    known = rows_finite(vb, kw, ldv, P.Dvp) ? V_TILE_FINITE : V_TILE_NONFINITE;
+    __atomic_store_n(flag, known, __ATOMIC_RELAXED);
+  }
+  return known == V_TILE_FINITE;
+}
+
 // bfloat16 (fwd_pairs_on, with the call's store): point w.tile.kpairs at key tile j's K blocks
 // and w.tile.vpairs at its V blocks (null where V is not all finite: the float kernels add that
 // P·V), packed by the first item to reach the tile, which also records V's finiteness
@@ -110,15 +123,13 @@ static bool fwd_pair_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t
     pack_b_blocks(w.kt, BK, P.D, 4, 4, kp);
     pack_v(P, b, hkv, c0, kw, w, false, nullptr);
     pack_b_blocks(w.vr, P.Dvp, kw, P.Dvp / 16, P.Dvp / 16, vp);
-    const bool finite = rows_finite(w.vr, kw, P.Dvp, P.Dvp);
-    __atomic_store_n(F.v_finite + tag, finite ? V_TILE_FINITE : V_TILE_NONFINITE, __ATOMIC_RELAXED);
+    tile_v_finite(P, F, b, hkv, j, w.vr, kw, P.Dvp);  // known before the tile is published
     __atomic_store_n(state, KEY_TILE_READY, __ATOMIC_RELEASE);
     st = KEY_TILE_READY;
   }
   if (st != KEY_TILE_READY) return false;
   w.tile.kpairs = kp;
-  const bool v_finite = __atomic_load_n(F.v_finite + tag, __ATOMIC_RELAXED) == V_TILE_FINITE;
-  w.tile.vpairs = v_finite ? vp : nullptr;
+  w.tile.vpairs = tile_v_finite(P, F, b, hkv, j, nullptr, kw, P.Dvp) ? vp : nullptr;
   return true;
 }
 

@@ -97,8 +97,7 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
   tiles_on();
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
     const int64_t nt = (N - n0) / 16 < 4 ? (N - n0) / 16 : 4;
-    const uint32_t* bt = bpairs ? bpairs : bs;
-    if (!bpairs) pack_b_blocks(B + n0, ldb, K, nt, 4, bs);
+    const uint32_t* bt = b_blocks(bpairs, B + n0, ldb, K, nt, 4, bs);
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t rows = M - m0 < 16 ? M - m0 : 16;
       const uint16_t* a = rows_blocks(A, lda, apack, m0, rows, K, ah);
@@ -131,8 +130,7 @@ static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ap,
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
   alignas(64) uint32_t bs[2 * (TILE_PV_N / 16) * 256];
   tiles_on();
-  if (!bpairs) pack_b_blocks(B, ldb, K, ntt, ntt, bs);
-  const uint32_t* bt = bpairs ? bpairs : bs;
+  const uint32_t* bt = b_blocks(bpairs, B, ldb, K, ntt, ntt, bs);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
     for (int64_t r = 0; r < rows; ++r) {
