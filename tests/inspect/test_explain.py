@@ -7,6 +7,8 @@ import torch
 
 import qkv
 from qkv.inspect import cost, render, walkthrough
+from qkv.inspect.explain import SATURATED, SPREAD, peak
+from qkv.inspect.formula import DK_CHOICES, ROLLS
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -37,3 +39,32 @@ def test_bad_arguments():
         walkthrough(n=0)
     with pytest.raises(ValueError, match="lang must be one of"):
         render(walkthrough(), "fr")
+
+
+@pytest.mark.parametrize("d_k", DK_CHOICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_scaled_rows_stay_spread_on_every_seed_of_the_page(d_k, causal):
+    """The walk-through says the scale keeps the softmax from saturating: on every seed the
+    formula page offers (it embeds ROLLS seeds from 0) and every d_k of its selector, A's rows
+    hold at least SPREAD of an even row's entropy."""
+    for seed in range(ROLLS):
+        p = peak(walkthrough(d_k=d_k, seed=seed, causal=causal))
+        assert p.share(p.scaled) >= SPREAD, (seed, p)
+
+
+@pytest.mark.parametrize("seed", range(ROLLS))
+def test_without_the_scale_the_rows_saturate_at_d_k_64(seed):
+    """… and without it, at d_k = 64, they saturate (nearly one-hot) on every seed of the page,
+    which the text says in so many words."""
+    w = walkthrough(d_k=64, seed=seed)
+    p = peak(w)
+    assert p.share(p.raw) < SATURATED and p.saturates_unscaled, p
+    assert "the softmax saturates" in render(w)
+
+
+def test_the_text_does_not_claim_saturation_where_the_numbers_do_not_show_it():
+    w = walkthrough(d_k=4, seed=0)  # the default: unscaled rows are not saturated at d_k = 4
+    p = peak(w)
+    assert p.share(p.raw) >= SATURATED
+    text = render(w)
+    assert "saturates" not in text and "changes little" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,16 +19,25 @@ TEXT = {
         ),
         "causal": ", causal",
         "X": "the input: one row per token",
-        "W": "learned projections d → d_k (W^V: d → d_v)",
+        "W": "learned projections d → d_k (W^V: d → d_v), drawn as layers are initialised: "
+        "N(0, 1/d)",
         "Q": "queries: what each token is looking for",
         "K": "keys: what each token offers to be found by",
         "V": "values: what each token hands over when attended to",
         "S": "raw similarity of every query with every key",
-        "S_scaled": "scaled by 1/√d_k = {inv:.4f} so the softmax does not saturate",
+        "S_scaled": "scaled by 1/√d_k = {inv:.4f}: QKᵀ sums d_k products, so its spread grows "
+        "as √d_k; the scale brings it back to about 1",
         "A": "softmax by rows: each row is a distribution over keys",
         "rows": "row sums (each must be 1): {sums} → {ok}",
         "ok": "ok",
         "bad": "NOT 1",
+        "peak": "how peaked A's rows are (entropy, of a possible {most:.2f} for an even row): "
+        "{scaled:.2f} scaled, {raw:.2f} without the scale (row maxima {smax} scaled, {rmax} "
+        "without)",
+        "saturated": "  → without 1/√d_k the softmax saturates: nearly all of each row's "
+        "weight goes to one key, and its gradient vanishes; scaled, the rows stay spread.",
+        "little": "  → at d_k = {dk} the scale changes little ({raw:.2f} vs {scaled:.2f}); the "
+        "unscaled rows sharpen as d_k grows (try --dk 64).",
         "Out": "each token's new representation: a weighted mix of the values",
         "cost": "Cost of one head (FLOPs = 4·N²·d_k for QKᵀ and AV; scores stored as fp32):",
         "case": {4: "this example", 512: "BERT", 2048: "GPT-3", 1_048_576: "long document"},
@@ -40,16 +50,23 @@ TEXT = {
         ),
         "causal": "，因果掩码",
         "X": "输入：每行是一个词元",
-        "W": "可学习的投影矩阵 d → d_k（W^V：d → d_v）",
+        "W": "可学习的投影矩阵 d → d_k（W^V：d → d_v），按神经网络层的初始化方式抽取：N(0, 1/d)",
         "Q": "查询：每个词元在寻找什么",
         "K": "键：每个词元可以被怎样找到",
         "V": "值：每个词元被关注时交出的内容",
         "S": "每个查询与每个键的原始相似度",
-        "S_scaled": "缩放：除以 √d_k（即乘以 {inv:.4f}），避免 softmax 饱和",
+        "S_scaled": "缩放：除以 √d_k（即乘以 {inv:.4f}）。QKᵀ 是 d_k 个乘积之和，离散程度随 √d_k "
+        "增长；缩放后回到 1 左右",
         "A": "按行做 softmax：每一行是对所有键的概率分布",
         "rows": "每行之和（应为 1）：{sums} → {ok}",
         "ok": "正确",
         "bad": "不等于 1",
+        "peak": "A 的各行有多集中（熵，完全均匀的一行为 {most:.2f}）：缩放后 {scaled:.2f}，"
+        "不缩放 {raw:.2f}（各行最大值：缩放后 {smax}，不缩放 {rmax}）",
+        "saturated": "  → 不除以 √d_k，softmax 就会饱和：每行几乎全部权重落在一个键上，"
+        "梯度随之消失；缩放后各行保持分散。",
+        "little": "  → d_k = {dk} 时缩放的作用还不大（不缩放 {raw:.2f}，缩放后 {scaled:.2f}）；"
+        "d_k 越大，不缩放的行越尖锐（试试 --dk 64）。",
         "Out": "每个词元的新表示：值向量的加权平均",
         "cost": "单个注意力头的代价（FLOPs = 4·N²·d_k，含 QKᵀ 与 AV；分数矩阵按 fp32 存储）：",
         "case": {4: "本例", 512: "BERT", 2048: "GPT-3", 1_048_576: "长文档"},
@@ -57,6 +74,10 @@ TEXT = {
     },
 }
 COST_SIZES = (512, 2048, 1_048_576)
+# A's mean row entropy as a share of log N (an even row): below SATURATED the softmax has
+# saturated (the rows are nearly one-hot); at or above SPREAD the rows are spread.
+SATURATED = 0.5
+SPREAD = 0.6
 SHOWN = 16  # rows and columns of a matrix printed whole (more: its corners, unless full)
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 BYTES_PER_SHOWN = 64  # a float64 entry, its Python float while printed, and its text
@@ -97,10 +118,51 @@ def walkthrough(
     _check_memory(n, d, d_k)
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, d, generator=g, dtype=torch.float64)
-    W_q, W_k, W_v = (torch.randn(d, d_k, generator=g, dtype=torch.float64) for _ in range(3))
+    # As nn.Linear-style layers are initialised (std 1/√d): Q and K entries then have variance
+    # about 1, and S = QKᵀ's spread grows as √d_k, which is what the scale undoes. (Drawn from
+    # N(0, 1), Q and K would have variance d and even the scaled softmax would saturate.)
+    W_q, W_k, W_v = (
+        torch.randn(d, d_k, generator=g, dtype=torch.float64) / math.sqrt(d) for _ in range(3)
+    )
     Q, K, V = X @ W_q, X @ W_k, X @ W_v
     st = reference.steps(Q, K, V, causal=causal)
     return Walkthrough(X, W_q, W_k, W_v, Q, K, V, st.S, st.S_scaled, st.A, st.out, causal, seed)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """How peaked the walk-through's softmax rows are, with the scale and without it."""
+
+    scaled: float  # mean row entropy of A = softmax(S/√d_k), in nats
+    raw: float  # the same of softmax(S), the scores unscaled
+    most: float  # the mean of log(keys a row sees): an even row's entropy
+    scaled_max: list[float]  # each row's largest weight, scaled
+    raw_max: list[float]  # each row's largest weight, unscaled
+
+    def share(self, entropy: float) -> float:
+        """`entropy` as a share of an even row's (1: even; 0: one-hot)."""
+        return entropy / self.most if self.most > 0 else 1.0
+
+    @property
+    def saturates_unscaled(self) -> bool:
+        """The lesson holds on these numbers: unscaled rows saturated, scaled ones spread."""
+        return self.share(self.raw) < SATURATED and self.share(self.scaled) >= SPREAD
+
+
+def peak(w: Walkthrough) -> Peak:
+    """A's row entropies and maxima with the scale and without (the same mask)."""
+    d_k = w.Q.shape[1]
+    raw = torch.softmax(w.S_scaled * math.sqrt(d_k), dim=-1)  # −inf stays −inf
+    seen = torch.isfinite(w.S_scaled).sum(-1).double()  # keys each row sees
+    rows = seen > 1  # a row with one key has nothing to spread over
+
+    def entropy(a: torch.Tensor) -> float:
+        h = -(a * torch.log(a.clamp_min(1e-300))).sum(-1)
+        return h[rows].mean().item() if rows.any() else 0.0
+
+    most = torch.log(seen[rows]).mean().item() if rows.any() else 0.0
+    rounded = lambda a: [round(x, 2) for x in a.max(-1).values.tolist()]  # noqa: E731
+    return Peak(entropy(w.A), entropy(raw), most, rounded(w.A), rounded(raw))
 
 
 def memory_needed(n: int, d: int, d_k: int) -> int:
@@ -166,6 +228,20 @@ def _matrix(t: torch.Tensor, full: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _peak_lines(w: Walkthrough, t: dict) -> list[str]:
+    """The √d_k lesson, said as these numbers show it."""
+    p = peak(w)
+    if p.most == 0:  # every row sees one key (N = 1, or a causal first row alone)
+        return []
+    values = {"most": p.most, "scaled": p.scaled, "raw": p.raw, "dk": w.Q.shape[1]}
+    lines = ["  " + t["peak"].format(**values, smax=p.scaled_max, rmax=p.raw_max)]
+    if p.saturates_unscaled:
+        lines.append(t["saturated"])
+    elif p.share(p.raw) >= SATURATED and p.share(p.scaled) >= SPREAD:
+        lines.append(t["little"].format(**values))
+    return lines
+
+
 def render(w: Walkthrough, lang: str = "en", full: bool = False) -> str:
     """The walk-through as text, in English (`en`) or Chinese (`zh`); matrices beyond `SHOWN`
     rows or columns show their corners unless `full`."""
@@ -196,6 +272,7 @@ def render(w: Walkthrough, lang: str = "en", full: bool = False) -> str:
             sums=[round(x, 6) for x in sums.tolist()], ok=t["ok"] if ok else t["bad"]
         )
     )
+    out.extend(_peak_lines(w, t))
     step("Out = A V", w.Out, t["Out"])
     out.append("\n" + t["cost"])
     for size in (n, *COST_SIZES):
