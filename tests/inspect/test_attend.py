@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qkv.inspect.attend import EXAMPLE, AttendError, AttentionMap, default_word, summary
+from qkv.inspect.specific import specific_head
 
 from ..helpers import assert_error_ratio
 
@@ -96,9 +97,10 @@ def test_minilm_weights_equal_the_models_own(minilm, cat_map):
 
 def test_summary_reports_the_models_weights(cat_map):
     text = summary(cat_map, "it")
-    best = cat_map.strongest_heads("it")["2:cat"]
-    assert best.weight == cat_map.weights[:, :, 8, 2].max().item()
+    best = specific_head(cat_map, "it", "cat")
+    assert best.weight == cat_map.weights[best.layer, best.head, 8, 2].item()
     assert f"cat      layer {best.layer} head {best.head:<2}  {best.weight:.3f}" in text
+    assert f"others {best.others:.3f}" in text
     full = summary(cat_map, "it", layer=best.layer, head=best.head)
     assert f"cat        {best.weight:.3f}" in full
 
@@ -107,9 +109,10 @@ def test_the_answer_in_chinese_says_the_same_numbers(cat_map):
     from qkv.inspect.text import columns
 
     en, zh = summary(cat_map, "it"), summary(cat_map, "it", lang="zh")
-    best = cat_map.strongest_heads("it")["2:cat"]
-    assert "“it”（第 8 个词）看向哪里？" in zh
-    assert f"cat      第 {best.layer} 层 第 {best.head:>2} 个头  {best.weight:.3f}" in zh
+    best = specific_head(cat_map, "it", "cat")
+    assert "“it”（编号 8 的词）看向哪里？（层、头和词都从 0 开始编号）" in zh
+    assert f"cat      层 {best.layer} 头 {best.head:<2}  {best.weight:.3f}" in zh
+    assert "第 0 层" not in zh and "第 8 个词" not in zh  # 0-based numbers are not ordinals
     assert "经过全部 6 层之后，“it”的信息来自哪里" in zh
     numbers = [line.split()[-1] for line in en.splitlines() if line.startswith("    [")]
     assert numbers == [line.split()[-1] for line in zh.splitlines() if line.startswith("    [")]

@@ -36,7 +36,7 @@ def test_a_chinese_capable_model_reads_every_character(chinese_bert, capsys, tmp
     assert code == 0
     said = capsys.readouterr().out
     assert said.startswith(f"{chinese_bert.name}（2 层 × 4 个头）处理的文本：{CHINESE}")
-    assert "“它”（第 10 个词）看向哪里？" in said and "[UNK]" not in said
+    assert "“它”（编号 10 的词）看向哪里？" in said and "[UNK]" not in said
     assert (out / "viewer.html").stat().st_size > 0
 
 

@@ -12,6 +12,7 @@ import torch
 
 from qkv.cli import main
 from qkv.inspect import walkthrough
+from qkv.inspect.specific import specific_head
 
 
 def test_explain_prints_the_reference_matrices(capsys):
@@ -54,7 +55,7 @@ def test_attend_reports_the_models_weight(minilm, cat_map, capsys, tmp_path):
     argv = ["attend", "--token", "it", "--out", str(out), "--json", str(tmp_path / "w.json")]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    best = cat_map.strongest_heads("it")["2:cat"]
+    best = specific_head(cat_map, "it", "cat")
     # the line for "cat" names the head and the weight computed from the model's own weights
     assert f"cat      layer {best.layer} head {best.head:<2}  {best.weight:.3f}" in text
     data = json.loads((tmp_path / "w.json").read_text())

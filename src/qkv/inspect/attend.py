@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .specific import sink_line, specific_head
 from .text import columns, ljust
 
 EXAMPLE = "The cat sat on the mat because it was tired"
@@ -353,11 +354,12 @@ def default_word(amap: AttentionMap) -> str:
 SUMMARY = {
     "en": {
         "on": "{name} ({layers} layers × {heads} heads) on: {text}",
-        "where": 'Where does "{w}" (word {i}) look?',
+        "where": 'Where does "{w}" (word {i}) look? (layers, heads and words are numbered from 0)',
         "word": "word",
-        "hardest": "  the head that looks at each word hardest (and the rollout after all layers, "
-        "below):",
+        "specific": '  for each word, the head most specific to it: where "{w}" gives it more '
+        "weight than the other words do on average (and the rollout after all layers, below):",
         "head": "layer {l} head {h:<2}",
+        "others": "others",
         "rollout": "rollout",
         "focused": "  the most focused heads (their strongest link to another word):",
         "draws": '  where "{w}" draws from after all {layers} layers (attention rollout: heads '
@@ -365,10 +367,12 @@ SUMMARY = {
     },
     "zh": {
         "on": "{name}（{layers} 层 × {heads} 个头）处理的文本：{text}",
-        "where": "“{w}”（第 {i} 个词）看向哪里？",
+        "where": "“{w}”（编号 {i} 的词）看向哪里？（层、头和词都从 0 开始编号）",
         "word": "词",
-        "hardest": "  对每个词看得最用力的头（所有层之后的注意力展开见下文）：",
-        "head": "第 {l} 层 第 {h:>2} 个头",
+        "specific": "  对每个词，最有特异性的头：“{w}”给它的权重比其他词给它的平均权重高出最多"
+        "（所有层之后的注意力展开见下文）：",
+        "head": "层 {l} 头 {h:<2}",
+        "others": "其他词",
         "rollout": "展开",
         "focused": "  最集中的头（各自最强的一条指向其他词的连接）：",
         "draws": "  经过全部 {layers} 层之后，“{w}”的信息来自哪里（注意力展开：各头取平均，"
@@ -406,24 +410,25 @@ def summary(
             cells = "".join(f"{amap.weights[layer, h, i, j].item():9.3f}" for h in heads)
             lines.append(f"  {ljust(target, width)}{cells}")
         return "\n".join(lines + unknown_note(amap, lang))
-    lines.append(t["hardest"])
-    best = amap.strongest_heads(i)
+    lines.append(t["specific"].format(w=amap.words[i]))
     final = amap.rollout()[-1, i]  # (W,) where word i draws from after all layers
-    width = max((columns(k.split(":", 1)[1]) for k in best), default=4)
-    for key, hw in best.items():
-        j, target = key.split(":", 1)
-        bar = "█" * round(20 * hw.weight)
-        where = t["head"].format(l=hw.layer, h=hw.head)
+    targets = [j for j, w in enumerate(amap.words) if j != i and not _special(w)]
+    width = max((columns(amap.words[j]) for j in targets), default=4)
+    for j in targets:
+        s = specific_head(amap, i, j)
+        bar = "█" * round(20 * s.weight)
+        where = t["head"].format(l=s.layer, h=s.head)
         lines.append(
-            f"    {ljust(target, width)}  {where}  {hw.weight:.3f} "
-            f"{bar:<20}  {t['rollout']} {final[int(j)].item():.3f}"
+            f"    {ljust(amap.words[j], width)}  {where}  {s.weight:.3f} {bar:<20}  "
+            f"{t['others']} {s.others:.3f}  {t['rollout']} {final[j].item():.3f}"
         )
     lines.append(t["focused"])
     for hw, target in amap.focused_heads(i, 5):
         target = ljust(target, width)
         where = t["head"].format(l=hw.layer, h=hw.head)
         lines.append(f"    {where} → {target}  {hw.weight:.3f}")
-    return "\n".join(lines + rollout_lines(amap, i, lang=lang) + unknown_note(amap, lang))
+    lines += rollout_lines(amap, i, lang=lang) + sink_line(amap, i, lang)
+    return "\n".join(lines + unknown_note(amap, lang))
 
 
 def rollout_lines(amap: AttentionMap, i: int, k: int = 6, lang: str = "en") -> list[str]:
