@@ -36,6 +36,30 @@ def test_long_context_shows_the_kept_tiles_and_what_the_cost_curve_measured():
     assert "nothing to compare" in chapter.long_context(None)
 
 
+def test_each_ratio_sentence_says_faster_or_slower_as_measured():
+    """'faster' only when it was: a window slower than dense attention is said to be slower
+    (the demo once printed '0.6× faster'), and a tiled kernel that held no less is not 'less'."""
+
+    def measured(window_s, tiled_mib, lang="en"):
+        recs = [_rec("naive", 2048, 0.02, 100.0), _rec("tiled", 2048, 0.03, tiled_mib),
+                _rec("sdpa", 2048, 0.010, 50.0), _rec("window", 2048, window_s, 8.0)]  # fmt: skip
+        return chapter.long_context(recs, lang)
+
+    slow = measured(0.016, 100.0)
+    assert "1.6× slower at this N" in slow and "faster" not in slow
+    assert "× less" not in slow and "no less at this N" in slow
+    fast = measured(0.004, 10.0)
+    assert "2.5× faster" in fast and "slower" not in fast and "10.0× less" in fast
+    assert "the same time, within 5%" in measured(0.0102, 10.0)
+    zh = measured(0.016, 100.0, "zh")
+    assert "慢 1.6 倍" in zh and "快 " not in zh and "并不更少" in zh
+
+
+def test_the_block_names_layernorm():
+    assert "LN is LayerNorm" in chapter.transformer_block()
+    assert "LayerNorm" in chapter.transformer_block(lang="zh")
+
+
 def test_visual_tokens_are_the_models_counts():
     text = chapter.visual_tokens()
     for side in chapter.IMAGE_SIDES:

@@ -45,9 +45,16 @@ TEXT = {
         "none": "  (the cost curve above was not measured, so there is nothing to compare here)",
         "at": "  Measured above, forward at N = {n}:",
         "memory": "    memory: the naive formula peaked at {naive:,.0f} MiB, the tiled kernel at "
-        "{tiled:,.0f} MiB ({ratio:.1f}× less: it never holds the N × N matrix)",
+        "{tiled:,.0f} MiB",
+        "less": " ({ratio:.1f}× less: it never holds the N × N matrix)",
+        "not_less": " (no less at this N: the N × N matrix is still small beside the inputs)",
         "time": "    time: dense attention (torch SDPA) {dense:.1f} ms, the sliding window "
-        "{window:.1f} ms ({ratio:.1f}× faster: its empty tiles are never computed)",
+        "{window:.1f} ms",
+        "faster": " ({ratio:.1f}× faster: its empty tiles are never computed)",
+        "slower": " ({ratio:.1f}× slower at this N: dense time grows as N², the window's as N)",
+        "slower_why": "    (at the sizes measured here dense SDPA's fast kernel still wins; the "
+        "window's advantage is its growth, linear in N: see the slopes of the curve above)",
+        "even": " (the same time, within {pct:.0%}: at this N the window keeps most tiles)",
         "cost": "One head with d_k = 64 at N = {n:,} tokens: QKᵀ and AV cost {flops}, and the "
         "score matrix alone is {nbytes} in fp32.",
         "answers": "The chapter's two answers:",
@@ -71,7 +78,9 @@ TEXT = {
         "visual_more": "`qkv tokens --image WxH` gives the details for any size.",
         "block": [
             "The next chapter stacks attention into a Transformer block (pre-norm, as GPT-2 and "
-            "Llama): x + Attn(LN(x)), then + FFN(LN(·)). On N = 4 tokens of width d = 8, 2 heads:",
+            "Llama): x + Attn(LN(x)), then + FFN(LN(·)), where LN is LayerNorm (each token "
+            "normalised to mean 0 and std 1 across its d features). On N = 4 tokens of width "
+            "d = 8, 2 heads:",
             ("x", ""),
             (
                 "LN(x)",
@@ -90,10 +99,15 @@ TEXT = {
         "kept": "{name}：保留了 {share:.0%} 的块",
         "none": "  （上面没有测出开销曲线，所以这里没有可比较的数据）",
         "at": "  上面测得的结果，前向，N = {n}：",
-        "memory": "    内存：朴素公式的峰值为 {naive:,.0f} MiB，分块内核为 {tiled:,.0f} MiB"
-        "（仅为前者的 1/{ratio:.1f}：它从不保存 N × N 矩阵）",
-        "time": "    时间：稠密注意力（torch SDPA）{dense:.1f} ms，滑动窗口 {window:.1f} ms"
-        "（速度是前者的 {ratio:.1f} 倍：空块从不计算）",
+        "memory": "    内存：朴素公式的峰值为 {naive:,.0f} MiB，分块内核为 {tiled:,.0f} MiB",
+        "less": "（仅为前者的 1/{ratio:.1f}：它从不保存 N × N 矩阵）",
+        "not_less": "（在这个 N 下并不更少：N × N 矩阵与输入相比还很小）",
+        "time": "    时间：稠密注意力（torch SDPA）{dense:.1f} ms，滑动窗口 {window:.1f} ms",
+        "faster": "（快 {ratio:.1f} 倍：空块从不计算）",
+        "slower": "（在这个 N 下慢 {ratio:.1f} 倍：稠密注意力的时间随 N² 增长，窗口的随 N 增长）",
+        "slower_why": "    （在这里测过的长度上，SDPA 的高速稠密内核仍然更快；窗口的优势在于它的"
+        "增长只与 N 成正比：看上面曲线的斜率）",
+        "even": "（用时相同，相差不到 {pct:.0%}：在这个 N 下窗口保留了大部分块）",
         "cost": "一个 d_k = 64 的头在 N = {n:,} 个词元时：QKᵀ 和 AV 要 {flops}，"
         "仅分数矩阵在 fp32 下就有 {nbytes}。",
         "answers": "本章给出的两个答案：",
@@ -114,7 +128,8 @@ TEXT = {
         "visual_more": "`qkv tokens --image 宽x高` 可给出任意尺寸的详细数字。",
         "block": [
             "下一章把注意力堆叠成 Transformer 块（前置归一化，如 GPT-2 和 Llama）："
-            "x + Attn(LN(x))，再 + FFN(LN(·))。在 N = 4 个宽度 d = 8 的词元上，2 个头：",
+            "x + Attn(LN(x))，再 + FFN(LN(·))，其中 LN 是层归一化（LayerNorm：每个词元的 d 个"
+            "特征归一化为均值 0、标准差 1）。在 N = 4 个宽度 d = 8 的词元上，2 个头：",
             ("x", ""),
             ("LN(x)", "每个词元的均值变为 {mu:.0e}，标准差 {sd:.3f}（再乘以学到的缩放、加上偏移）"),
             ("Q 拆成 2 个头", "（批，头，词元，d_k = 8 / 2）"),
@@ -164,12 +179,28 @@ def _measured(records: list[dict] | None, lang: str = "en") -> list[str]:
     out = [t["at"].format(n=n)]
     if naive["peak_mib"] and tiled["peak_mib"]:
         a, b = naive["peak_mib"], tiled["peak_mib"]
-        out.append(t["memory"].format(naive=a, tiled=b, ratio=a / b))
+        less = a > b * (1 + EVEN)
+        tail = t["less"].format(ratio=a / b) if less else t["not_less"]
+        out.append(t["memory"].format(naive=a, tiled=b) + tail)
     dense, window = by.get(("sdpa", n)), by.get(("window", n))
     if dense and window:
         a, b = dense["time_s"], window["time_s"]
-        out.append(t["time"].format(dense=a * 1e3, window=b * 1e3, ratio=a / b))
+        out.append(t["time"].format(dense=a * 1e3, window=b * 1e3) + _ratio(a, b, t))
+        if b > a * (1 + EVEN):
+            out.append(t["slower_why"])
     return out
+
+
+EVEN = 0.05  # two times within 5% of each other are "the same"
+
+
+def _ratio(dense: float, window: float, t: dict) -> str:
+    """Whether the window was faster or slower than dense attention, said as it was."""
+    if abs(dense / window - 1) <= EVEN:
+        return t["even"].format(pct=EVEN)
+    if window < dense:
+        return t["faster"].format(ratio=dense / window)
+    return t["slower"].format(ratio=window / dense)
 
 
 def long_context(records: list[dict] | None = None, lang: str = "en") -> str:
