@@ -109,7 +109,16 @@ def _explain(args: argparse.Namespace) -> None:
 
 def _attend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("text", nargs="?", default=None, help="the text (default: the cat example)")
-    p.add_argument("--token", help='the word to ask about (default "it", else the first word)')
+    p.add_argument(
+        "--token",
+        "--word",
+        dest="token",
+        help='the word to ask about (default "it", else the first word)',
+    )
+    p.add_argument(
+        "--target",
+        help="a second word: which head links the word to it, chosen by specificity",
+    )
     p.add_argument(
         "--model",
         metavar="FOLDER",
@@ -136,6 +145,7 @@ def _attend(args: argparse.Namespace) -> None:
         model_attention,
         summary,
     )
+    from .inspect.specific import question_lines
 
     text = EXAMPLE if args.text is None else args.text
     if args.head is not None and args.layer is None:
@@ -152,6 +162,8 @@ def _attend(args: argparse.Namespace) -> None:
         )
         word = args.token or default_word(amap)
         say(summary(amap, word, args.layer, args.head, lang=args.lang))
+        if args.target:
+            say("\n".join(question_lines(amap, word, args.target, lang=args.lang)))
     except AttendError as e:
         raise _Refused(str(e)) from None
     if args.json:
@@ -460,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         error(str(e))
         return MISSING_PACKAGE
+    except BrokenPipeError:  # the reader closed the pipe (`| head`): the entry point ends quietly
+        raise
     except OSError as e:  # a write that the up-front checks could not foresee (disk full, ...)
         where = f" {Path(e.filename)}" if e.filename else ""
         error(f"could not write{where}: {e.strerror or e}")

@@ -30,6 +30,9 @@ HELP = {
     "show program's version number and exit": "显示版本号并退出",
     "en or zh (Chinese): the language of help and errors": "en 或 zh（中文）：帮助和错误信息的语言",
     "the textbook walk-through on real numbers": "用真实的数字逐步演示教科书里的公式",
+    "a second word: which head links the word to it, chosen by specificity": (
+        "第二个词：哪个头把这个词和它联系起来（按特异性选出）"
+    ),
     "where a word looks in the real all-MiniLM-L6-v2 (or a model of yours)": (
         "一个词在真实模型 all-MiniLM-L6-v2（或你自己的模型）中把注意力放在哪里"
     ),
@@ -177,6 +180,13 @@ ERRORS: list[tuple[str, str]] = [
     ),
     (r"the page's d_k is one of (.+)", "网页的 d_k 只能取 {0}"),
     (r"--image: no such file: (.+)", "--image：没有这个文件：{0}"),
+    (r"width must be a positive number of pixels, got (.+)", "宽度须为正的像素数，得到的是 {0}"),
+    (r"height must be a positive number of pixels, got (.+)", "高度须为正的像素数，得到的是 {0}"),
+    (
+        r"absolute aspect ratio must be at most (\S+), got (\S+) for (.+)",
+        "宽高比最多为 {0}，而 {2} 的宽高比为 {1}",
+    ),
+    (r"(min_pixels=\d+) must be ≤ (max_pixels=\d+)", "{0} 须 ≤ {1}"),
     (
         r"--image expects WIDTHxHEIGHT such as 1344x1344 or an image file, got (.+)",
         "--image 需要 宽x高（例如 1344x1344）或一个图像文件，得到的是 {0}",

@@ -320,7 +320,7 @@ def test_chinese_text_shows_every_word_and_says_the_model_cannot_read_it(minilm,
     assert main(["attend", CHINESE, "--token", "它", "--no-files"]) == 0
     out = capsys.readouterr().out
     assert 'Where does "[UNK](它)"' in out
-    hardest = out.split("hardest")[1].split("  the most focused")[0].splitlines()[1:]
+    hardest = out.split("most specific to it")[1].split("  the most focused")[0].splitlines()[1:]
     assert len(hardest) == len(CHINESE) - 1  # every other word, [UNK] ones included
     assert any(line.strip().startswith("[UNK](猫)") for line in hardest)
     assert "all-MiniLM-L6-v2 does not read Chinese characters" in out
