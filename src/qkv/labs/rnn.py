@@ -22,7 +22,7 @@ from torch import nn
 
 from ..inspect.text import row
 from ..nn import SelfAttention
-from . import recall
+from . import fade, recall
 from .common import Progress, busy, decided, inconclusive, machine, pick, threads, verdict
 
 
@@ -69,6 +69,7 @@ TASK = recall.Task(keys=4, values=8)
 LR = {"attention": 3e-3, "lstm": 1e-2}
 LEARNED = 0.1  # a model "has learned" once its loss, averaged over 50 steps, falls below this
 WINDOW = 50  # steps per point of the logged loss curves
+DEPENDENCE_SAMPLES = 128  # test sequences per distance for fade.dependence
 
 
 # --------------------------------------------------------------------------- parallelism
@@ -176,6 +177,7 @@ def recall_curves(preset: Preset, seed: int, bar: Progress) -> dict:
     acc: dict[str, list[list[float]]] = {"attention": [], "lstm": []}
     curves: dict[str, list[list[float]]] = {"attention": [], "lstm": []}
     learned: dict[str, list[int | None]] = {"attention": [], "lstm": []}
+    dep: dict[str, list[list[float]]] = {"attention": [], "lstm": []}  # fade.dependence
     sizes: dict[str, dict] = {}
     for s in range(preset.seeds):
         torch.manual_seed(seed * 1000 + s)
@@ -209,6 +211,17 @@ def recall_curves(preset: Preset, seed: int, bar: Progress) -> dict:
                     for d in preset.distances
                 ]
             )
+            probe = torch.Generator().manual_seed(2 * 10**6 + seed * 1000 + s)
+            dep[name].append(
+                fade.dependence(
+                    model,
+                    TASK,
+                    preset.distances,
+                    length=length,
+                    samples=min(preset.samples, DEPENDENCE_SAMPLES),
+                    generator=probe,
+                )
+            )
     rows = []
     for i, d in enumerate(preset.distances):
         lstm_runs = [run[i] for run in acc["lstm"]]
@@ -220,6 +233,9 @@ def recall_curves(preset: Preset, seed: int, bar: Progress) -> dict:
                 "attention_acc": sum(attn_runs) / len(attn_runs),
                 "lstm_acc_by_seed": lstm_runs,
                 "attention_acc_by_seed": attn_runs,
+                # the answer's dependence on the pair d back (fade.dependence), seed mean
+                "lstm_dependence": sum(r[i] for r in dep["lstm"]) / len(dep["lstm"]),
+                "attention_dependence": sum(r[i] for r in dep["attention"]) / len(dep["attention"]),
             }
         )
     training = {"every": WINDOW, "learned_below": LEARNED, "loss": curves, "learned_at": learned}
@@ -309,6 +325,22 @@ TEXT = {
             "{amin:.0%} at worst; rule: attention ≥ 95% everywhere, the LSTM ≥ 10 points lower "
             "at the longest distance than at the shortest)"
         ),
+        "fade": (
+            "3. Memory: how much the trained model's answer still depends on the pair d "
+            "positions back (the gradient of the answer's logit with respect to that input, "
+            "relative to d = the shortest)"
+        ),
+        "fade_claim": (
+            "  claim: an RNN forgets with distance, attention does not → {verdict} (the LSTM "
+            "keeps {lstm:.2g} of its dependence at d={d1}, attention {attn:.2g}; rule: the LSTM "
+            "≤ {faded} at the longest distance, attention ≥ {kept})"
+        ),
+        "fade_why": (
+            "  why accuracy alone cannot show it here: each step of the LSTM's recurrence "
+            "shrinks the gradient, so the pair d steps back barely moves its answer and it "
+            "cannot learn to use it in a short training; attention reaches every position in one "
+            "step"
+        ),
     },
     "zh": {
         "title": "RNN 与注意力（{seconds:.0f} 秒）",
@@ -345,6 +377,19 @@ TEXT = {
             "  论断：LSTM 的准确率随距离下降，注意力保持接近 100% → {verdict}"
             "（LSTM 在 d={d0} 为 {l0:.0%}，在 d={d1} 为 {l1:.0%}；注意力最低 {amin:.0%}；"
             "规则：注意力处处 ≥ 95%，LSTM 在最远距离比最近距离至少低 10 个百分点）"
+        ),
+        "fade": (
+            "3. 记忆：训练好的模型，其答案还在多大程度上依赖 d 个位置之前的那一对"
+            "（答案的 logit 对该输入的梯度，相对于最短距离）"
+        ),
+        "fade_claim": (
+            "  论断：RNN 随距离遗忘，注意力不会 → {verdict}（在 d={d1} 处 LSTM 保留了 {lstm:.2g} "
+            "的依赖，注意力保留了 {attn:.2g}；规则：最远距离处 LSTM ≤ {faded}，注意力 ≥ {kept}）"
+        ),
+        "fade_why": (
+            "  为什么单看准确率在这里看不出来：LSTM 的每一步递推都会让梯度缩小，"
+            "d 步之前的那一对几乎影响不了它的答案，短时间的训练里它也就学不会去用它；"
+            "注意力一步就能到达任何位置"
         ),
     },
 }
@@ -400,15 +445,25 @@ def claims(doc: dict) -> dict[str, dict]:
         acc = rec[0]["attention_acc" if who == "attention" else "lstm_acc"]
         recall_verdict = inconclusive(
             f"{who} did not learn the task even at d={rec[0]['distance']}: {acc:.0%} against "
-            f"{chance:.1%} chance; train longer with --full",
+            f"{chance:.1%} chance, so its fall with distance cannot be judged (section 3 can)",
             f"{who_zh} 在 d={rec[0]['distance']} 处也没学会这个任务：准确率 {acc:.0%}，"
-            f"随机猜对为 {chance:.1%}；请用 --full 训练更久",
+            f"随机猜对为 {chance:.1%}，所以无法判断它是否随距离下降（第 3 部分可以）",
         )
     else:
         attn_ok = min(r["attention_acc"] for r in rec) >= 0.95
         lstm_falls = rec[0]["lstm_acc"] - rec[-1]["lstm_acc"] >= 0.10
         recall_verdict = decided(attn_ok and lstm_falls)
-    return {"parallel": par, "recall": recall_verdict}
+    return {"parallel": par, "recall": recall_verdict, "fade": _fade_verdict(doc)}
+
+
+def _fade_verdict(doc: dict) -> dict:
+    """The LSTM's dependence on the pair fades with distance, attention's does not."""
+    rec = doc["recall"]
+    if "lstm_dependence" not in rec[0]:  # a document from before the measure
+        return inconclusive("not measured in this run", "这次运行没有测量")
+    lstm = [r["lstm_dependence"] for r in rec]
+    attn = [r["attention_dependence"] for r in rec]
+    return decided(fade.holds(lstm, attn))
 
 
 def summary(doc: dict, lang: str = "en") -> str:
@@ -507,11 +562,40 @@ def summary(doc: dict, lang: str = "en") -> str:
             amin=min(r["attention_acc"] for r in rec),
         )
     )
-    return "\n".join(lines)
+    return "\n".join(lines + _fade_lines(doc, held, lang))
 
 
-def figure(doc: dict, path: str | Path | None = None):
-    """The lab's PNG (`qkv.labs.figures.rnn`); returns the matplotlib Figure."""
+def _fade_lines(doc: dict, held: dict, lang: str) -> list[str]:
+    """Section 3: how much the answer depends on the pair d back, relative to the shortest d."""
+    rec = doc["recall"]
+    if "lstm_dependence" not in rec[0]:
+        return []
+    t = pick(TEXT, lang)
+    lstm = fade.relative([r["lstm_dependence"] for r in rec])
+    attn = fade.relative([r["attention_dependence"] for r in rec])
+    lines = [t("fade"), row(TEXT[lang]["rec_cols"], (6, 10, 12))]
+    for r, lo, at in zip(rec, lstm, attn, strict=True):
+        lines.append(f"  {r['distance']:>6} {lo:>10.2g} {at:>12.2g}")
+    lines.append(
+        t(
+            "fade_claim",
+            verdict=verdict(held["fade"], lang),
+            d0=rec[0]["distance"],
+            d1=rec[-1]["distance"],
+            lstm=lstm[-1],
+            attn=attn[-1],
+            faded=fade.FADED,
+            kept=fade.KEPT,
+        )
+    )
+    if held["fade"]["verdict"] == "holds" and held["recall"]["verdict"] != "holds":
+        lines.append(t("fade_why"))
+    return lines
+
+
+def figure(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
+    """The lab's PNG (`qkv.labs.figures.rnn`), its labels in `lang`; returns the matplotlib
+    Figure."""
     from .figures import rnn as draw
 
-    return draw(doc, path)
+    return draw(doc, path, lang=lang)
