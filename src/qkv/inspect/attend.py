@@ -28,10 +28,11 @@ import torch
 
 from .specific import sink_line, specific_head
 from .text import columns, ljust
+from .words import UNKNOWN
+from .words import is_special as _special
 
 EXAMPLE = "The cat sat on the mat because it was tired"
 MINILM_HINT = "pip install 'qkv[minilm]'"
-UNKNOWN = ("[UNK]", "<unk>")  # the token a vocabulary uses for what it cannot spell
 SCRIPTS = {"CJK": "Chinese characters", "HIRAGANA": "Japanese kana", "KATAKANA": "Japanese kana"}
 
 
@@ -192,13 +193,6 @@ class AttentionMap:
             "weights": self.weights.round(decimals=digits).tolist(),
             "rollout": self.rollout().round(decimals=digits).tolist(),
         }
-
-
-def _special(token: str) -> bool:
-    """[CLS], [SEP], <s>, ...: not words of the text. The unknown token is a word of the text."""
-    if token.startswith(UNKNOWN):
-        return False
-    return (token.startswith("[") and token.endswith("]")) or token in ("<s>", "</s>")
 
 
 def _scripts(texts: Sequence[str]) -> str:

@@ -17,12 +17,24 @@ attention rollout ends on the special tokens, and why.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .attend import AttentionMap
+from .words import is_special as _special
+
+
+class WordMap(Protocol):
+    """What these questions read of an attention map (`qkv.inspect.AttentionMap`)."""
+
+    words: list[str]
+    weights: torch.Tensor  # (L, H, W, W)
+    text: str
+    heads: int
+
+    def index(self, word: str) -> int: ...
+
+    def rollout(self) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -36,18 +48,12 @@ class Specific:
     specificity: float  # weight − others
 
 
-def _special(token: str) -> bool:
-    from .attend import _special as special
-
-    return special(token)
-
-
-def _other_words(amap: AttentionMap, i: int, j: int) -> list[int]:
+def _other_words(amap: WordMap, i: int, j: int) -> list[int]:
     """The words that are neither `i` nor `j` nor a special token."""
     return [x for x, w in enumerate(amap.words) if x not in (i, j) and not _special(w)]
 
 
-def specific_heads(amap: AttentionMap, word: str | int, target: str | int, k: int = 3):
+def specific_heads(amap: WordMap, word: str | int, target: str | int, k: int = 3):
     """The `k` heads most specific to `word` → `target`, most specific first:
     `[Specific, ...]`. With no other word to compare against, the weight itself ranks them."""
     i = word if isinstance(word, int) else amap.index(word)
@@ -64,12 +70,12 @@ def specific_heads(amap: AttentionMap, word: str | int, target: str | int, k: in
     return found
 
 
-def specific_head(amap: AttentionMap, word: str | int, target: str | int) -> Specific:
+def specific_head(amap: WordMap, word: str | int, target: str | int) -> Specific:
     """The head most specific to `word` → `target` (see `specific_heads`)."""
     return specific_heads(amap, word, target, k=1)[0]
 
 
-def strongest(amap: AttentionMap, word: str | int, target: str | int) -> Specific:
+def strongest(amap: WordMap, word: str | int, target: str | int) -> Specific:
     """The head where `word` gives `target` the most weight, with its specificity beside."""
     i = word if isinstance(word, int) else amap.index(word)
     j = target if isinstance(target, int) else amap.index(target)
@@ -92,7 +98,7 @@ class Sinks:
     words: int  # how many real words the text has
 
 
-def sinks(amap: AttentionMap, word: str | int, target: str | int) -> Sinks:
+def sinks(amap: WordMap, word: str | int, target: str | int) -> Sinks:
     """How much of `word`'s rollout ends on special tokens, on itself and on `target`."""
     i = word if isinstance(word, int) else amap.index(word)
     j = target if isinstance(target, int) else amap.index(target)
@@ -166,11 +172,11 @@ def _rank(n: int, lang: str) -> str:
 
 
 def question_lines(
-    amap: AttentionMap,
+    amap: WordMap,
     word: str,
     target: str,
     *,
-    contrast: AttentionMap | None = None,
+    contrast: WordMap | None = None,
     contrast_target: str | None = None,
     lang: str = "en",
 ) -> list[str]:
@@ -198,7 +204,7 @@ def question_lines(
     return lines
 
 
-def sink_line(amap: AttentionMap, word: str | int, lang: str = "en") -> list[str]:
+def sink_line(amap: WordMap, word: str | int, lang: str = "en") -> list[str]:
     """The share of `word`'s rollout on the special tokens, and why (none without them)."""
     i = word if isinstance(word, int) else amap.index(word)
     special = [x for x, w in enumerate(amap.words) if _special(w)]
