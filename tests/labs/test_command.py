@@ -61,7 +61,7 @@ def test_a_run_writes_its_figure_and_the_json_alone_on_stdout(monkeypatch, tmp_p
     out, err = capsys.readouterr()
     doc = json.loads(out)
     assert doc["lab"] == "routing" and doc["preset"]["length"] == 10
-    assert "软路由" in err and "figure:" in err
+    assert "软路由" in err and "图：" in err and "figure:" not in err
     assert (tmp_path / "routing.png").stat().st_size > 0
 
 

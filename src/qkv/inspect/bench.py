@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import math
 import platform
+import re
 import statistics
 import sys
 import time
@@ -31,6 +32,7 @@ import torch
 
 from .. import masks
 from ..functional import attention
+from .text import ljust, rjust
 
 METHODS = ("naive", "sdpa", "tiled", "window")
 PASSES = ("forward", "forward+backward")
@@ -288,42 +290,75 @@ def report(records: Sequence[dict], sizes: Sizes, complete: bool = True) -> dict
     }
 
 
-def table(records: Sequence[dict]) -> str:
-    """A text table: one row per (pass, N), time and peak memory for each method, then slopes."""
+TABLE_TEXT = {
+    "en": {
+        "forward": "forward",
+        "forward+backward": "forward+backward",
+        "cell": "time    peak MiB",
+        "skipped": "skipped",
+        "slope": "slope (time)",
+        "note": "{method} {pas} N={n}: {note}",
+        "no_slope": "slope —: fewer than two sizes were measured",
+    },
+    "zh": {
+        "forward": "前向",
+        "forward+backward": "前向+反向",
+        "cell": "时间    峰值 MiB",
+        "skipped": "已跳过",
+        "slope": "斜率（时间）",
+        "note": "{method} {pas} N={n}：{note}",
+        "no_slope": "斜率 —：测量过的长度不足两个",
+    },
+}
+SKIPPED = re.compile(r"skipped: needs about ([\d,]+) MiB, ([\d,]+) MiB available")
+
+
+def _note(r: dict, t: dict[str, str], lang: str) -> str:
+    """A record's note line (the note is English in the JSON) in `lang`."""
+    note = r["note"]
+    m = SKIPPED.fullmatch(note)
+    if lang == "zh" and m:
+        note = f"已跳过：大约需要 {m[1]} MiB，可用 {m[2]} MiB"
+    return t["note"].format(
+        method=r["method"], pas=t.get(r["pass"], r["pass"]), n=r["n"], note=note
+    )
+
+
+def table(records: Sequence[dict], lang: str = "en") -> str:
+    """A text table: one row per (pass, N), time and peak memory for each method, then slopes;
+    its words in `lang` ("en" or "zh")."""
+    if lang not in TABLE_TEXT:
+        raise ValueError(f"lang must be one of {', '.join(TABLE_TEXT)}, got {lang!r}")
+    t = TABLE_TEXT[lang]
     methods = list(dict.fromkeys(r["method"] for r in records))
-    lines = []
+    lines: list[str] = []
+    unfitted = False
     for pas in dict.fromkeys(r["pass"] for r in records):
         mine = [r for r in records if r["pass"] == pas]
-        head = f"{pas:<17}" + "".join(f"{m:>21}" for m in methods)
-        lines += [head, f"{'N':<17}" + "".join(f"{'time    peak MiB':>21}" for _ in methods)]
+        head = ljust(t.get(pas, pas), 17) + "".join(f"{m:>21}" for m in methods)
+        lines += [head, f"{'N':<17}" + "".join(rjust(t["cell"], 21) for _ in methods)]
         for n in dict.fromkeys(r["n"] for r in mine):
-            cells = []
-            for m in methods:
-                r = next((x for x in mine if x["n"] == n and x["method"] == m), None)
-                if r is None:  # not measured (the run was interrupted)
-                    cells.append(f"{'—':>21}")
-                    continue
-                if r["time_s"] is None:
-                    cells.append(f"{'skipped':>21}")
-                    continue
-                peak = "—" if r["peak_mib"] is None else f"{r['peak_mib']:,.0f}"
-                cells.append(f"{_seconds(r['time_s']):>12}{peak:>9}")
-            lines.append(f"{n:<17}" + "".join(cells))
-        fitted = slopes(mine)
-        lines.append(
-            f"{'slope (time)':<17}"
-            + "".join(
-                f"{fitted[m]:>21.2f}" if math.isfinite(fitted.get(m, math.nan)) else f"{'—':>21}"
-                for m in methods
-            )
-        )
-        lines.append("")
-    notes = sorted(
-        {f"{r['method']} {r['pass']} N={r['n']}: {r['note']}" for r in records if r["note"]}
-    )
-    if any(" —" in line and line.startswith("slope") for line in lines):
-        notes.append("slope —: fewer than two sizes were measured")
+            lines.append(f"{n:<17}" + "".join(_cell(mine, n, m, t) for m in methods))
+        fit = slopes(mine)
+        fitted = [fit.get(m, math.nan) for m in methods]
+        unfitted = unfitted or not all(math.isfinite(x) for x in fitted)
+        shown = (f"{x:>21.2f}" if math.isfinite(x) else f"{'—':>21}" for x in fitted)
+        lines += [ljust(t["slope"], 17) + "".join(shown), ""]
+    notes = sorted({_note(r, t, lang) for r in records if r["note"]})
+    if unfitted:
+        notes.append(t["no_slope"])
     return "\n".join(lines + notes).rstrip()
+
+
+def _cell(mine: Sequence[dict], n: int, method: str, t: dict[str, str]) -> str:
+    """One method's time and peak memory at N, 21 columns wide."""
+    r = next((x for x in mine if x["n"] == n and x["method"] == method), None)
+    if r is None:  # not measured (the run was interrupted)
+        return f"{'—':>21}"
+    if r["time_s"] is None:
+        return rjust(t["skipped"], 21)
+    peak = "—" if r["peak_mib"] is None else f"{r['peak_mib']:,.0f}"
+    return f"{_seconds(r['time_s']):>12}{peak:>9}"
 
 
 def _seconds(t: float) -> str:

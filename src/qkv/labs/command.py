@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import warnings
 from pathlib import Path
 
 from ..inspect.outputs import STDOUT, check_file, check_folder, say_to, write_json
 from . import LABS
-from .common import LANGS
+from .common import LANGS, pick
 
 SEED_MAX = 2**32 - 1
 
@@ -43,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+SAID = {
+    "en": {"json": "measurements: {path}", "figure": "figure: {path}", "note": "note: {note}"},
+    "zh": {"json": "测量结果：{path}", "figure": "图：{path}", "note": "注意：{note}"},
+}
+
+
 def run(args: argparse.Namespace) -> None:
     if args.json:
         check_file(args.json, "--json", allow_stdout=True)
@@ -54,14 +61,28 @@ def run(args: argparse.Namespace) -> None:
     lab = importlib.import_module(f"qkv.labs.{args.name}")
     preset = lab.FULL if args.full else lab.QUICK
     say = say_to(args.json)
+    t = pick(SAID, args.lang)
     doc = lab.run(preset, seed=args.seed, progress=not args.no_progress)
     say(lab.summary(doc, args.lang))
     if args.json:
         write_json(doc, args.json, indent=1)
         if args.json != STDOUT:
-            say(f"measurements: {args.json}")
+            say(t("json", path=args.json))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         path = Path(out) / f"{args.name}.png"
-        lab.figure(doc, path)
-        say(f"figure: {path}")
+        note = _draw(lab, doc, path, args.lang)
+        say(t("figure", path=path))
+        if note:
+            say(t("note", note=note))
+
+
+def _draw(lab, doc: dict, path: Path, lang: str) -> str | None:
+    """Write the lab's figure in `lang`; return what to say when Chinese had to be drawn in
+    English (no CJK font), said as a note rather than as a Python warning."""
+    from ..inspect.figures import FontWarning, font_note
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FontWarning)
+        lab.figure(doc, path, lang=lang)
+    return font_note(lang)

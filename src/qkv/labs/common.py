@@ -118,16 +118,29 @@ def cpu_pressure() -> float | None:
 BUSY_PRESSURE = 10.0  # % of time a task waited for a core: too busy to time parallel speed-ups
 
 
-def busy(m: dict) -> str | None:
-    """Why the machine `m` (from `machine()`) was too busy to decide a timed claim, or None:
-    CPU pressure at or above `BUSY_PRESSURE`, or, where the kernel gives none, a load average
-    above the core count."""
+BUSY_TEXT = {
+    "en": {
+        "pressure": "CPU pressure {pressure:.0f}%",
+        "load": "load average {load} on {cores} cores",
+    },
+    "zh": {
+        "pressure": "CPU 压力 {pressure:.0f}%（有任务在等空闲核心的时间占比）",
+        "load": "{cores} 个核心上的平均负载为 {load}",
+    },
+}
+
+
+def busy(m: dict, lang: str = "en") -> str | None:
+    """Why the machine `m` (from `machine()`) was too busy to decide a timed claim, in `lang`,
+    or None: CPU pressure at or above `BUSY_PRESSURE`, or, where the kernel gives none, a load
+    average above the core count."""
+    t = pick(BUSY_TEXT, lang)
     pressure = m.get("cpu_pressure")
     if pressure is not None:
-        return f"CPU pressure {pressure:.0f}%" if pressure >= BUSY_PRESSURE else None
+        return t("pressure", pressure=pressure) if pressure >= BUSY_PRESSURE else None
     load, cores = m.get("load_1min"), m.get("cores")
     if load is not None and cores and load > cores:
-        return f"load average {load} on {cores} cores"
+        return t("load", load=load, cores=cores)
     return None
 
 

@@ -1,46 +1,90 @@
 """The labs' figures: each function takes a lab's JSON document and returns a matplotlib
 `Figure`, saved as a PNG when `path` is given. matplotlib is imported only when a figure is
-made (inside `qkv.inspect.figures.new_figure`), so importing this module costs nothing."""
+made (inside `qkv.inspect.figures.new_figure`), so importing this module costs nothing.
+
+`lang` ("en" or "zh") is the language of the titles, axes and legends; Chinese without a CJK
+font is drawn in English (`qkv.inspect.figures.figure_lang`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..inspect.figures import new_figure, save
+from ..inspect.figures import figure_lang, finish, labels, new_figure
+
+RNN_TEXT = {
+    "en": {
+        "lstm": "LSTM",
+        "attention": "attention",
+        "threads": "{label}, {threads} threads",
+        "one_thread": "{label}, 1 thread",
+        "n": "sequence length N (LSTM: N sequential steps; attention: 1)",
+        "time": "forward+backward time (ms)",
+        "par_title": "parallelism: one layer, one sequence",
+        "params": "{label} ({params:,} parameters)",
+        "chance": "chance",
+        "distance": "distance d between the answer and the question",
+        "accuracy": "test accuracy (dots: seeds)",
+        "rec_title": "recall after {steps} training steps",
+        "step": "training step",
+        "loss": "cross-entropy (mean of {every} steps)",
+        "train_title": "training, same batches for both",
+    },
+    "zh": {
+        "lstm": "LSTM",
+        "attention": "注意力",
+        "threads": "{label}，{threads} 个线程",
+        "one_thread": "{label}，1 个线程",
+        "n": "序列长度 N（LSTM：N 个串行步骤；注意力：1 步）",
+        "time": "前向+反向时间（毫秒）",
+        "par_title": "并行性：单层，一条序列",
+        "params": "{label}（{params:,} 个参数）",
+        "chance": "随机猜测",
+        "distance": "答案与提问之间的距离 d",
+        "accuracy": "测试准确率（散点：各个随机种子）",
+        "rec_title": "训练 {steps} 步后的回忆准确率",
+        "step": "训练步数",
+        "loss": "交叉熵（每 {every} 步的平均）",
+        "train_title": "训练过程，两个模型用相同的批次",
+    },
+}
 
 
-def rnn(doc: dict, path: str | Path | None = None):
+def rnn(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
     """Time against N (log-log, all threads and one), accuracy against distance, and the
     training loss of both models."""
+    lang = figure_lang(lang)
+    t = labels(RNN_TEXT, lang)
     fig = new_figure(15.0, 4.2)
     left, mid, right = fig.subplots(1, 3)
-    models = (("lstm", "LSTM", "C3"), ("attention", "attention", "C0"))
+    models = (("lstm", t("lstm"), "C3"), ("attention", t("attention"), "C0"))
     par = doc["parallel"]
     ns = [r["n"] for r in par]
     for key, label, color in models:
-        many = f"{label}, {par[0]['threads']} threads"
+        many = t("threads", label=label, threads=par[0]["threads"])
         left.loglog(ns, [r[f"{key}_ms"] for r in par], "o-", color=color, base=2, label=many)
         one = [r[f"{key}_ms_one_thread"] for r in par]
-        left.loglog(ns, one, "o--", color=color, alpha=0.5, base=2, label=f"{label}, 1 thread")
-    left.set_xlabel("sequence length N (LSTM: N sequential steps; attention: 1)")
-    left.set_ylabel("forward+backward time (ms)")
-    left.set_title("parallelism: one layer, one sequence")
+        left.loglog(
+            ns, one, "o--", color=color, alpha=0.5, base=2, label=t("one_thread", label=label)
+        )
+    left.set_xlabel(t("n"))
+    left.set_ylabel(t("time"))
+    left.set_title(t("par_title"))
     left.grid(True, which="both", alpha=0.3)
     left.legend(fontsize=8)
     ds = [r["distance"] for r in doc["recall"]]
     for key, label, color in models:
         params = doc["models"][key]["params"]
         accs = [r[f"{key}_acc"] for r in doc["recall"]]
-        mid.plot(ds, accs, "o-", color=color, label=f"{label} ({params:,} parameters)")
+        mid.plot(ds, accs, "o-", color=color, label=t("params", label=label, params=params))
         for r in doc["recall"]:
             runs = r[f"{key}_acc_by_seed"]
             mid.plot([r["distance"]] * len(runs), runs, ".", color=color, alpha=0.35)
-    mid.axhline(doc["task"]["chance"], color="gray", linestyle=":", label="chance")
+    mid.axhline(doc["task"]["chance"], color="gray", linestyle=":", label=t("chance"))
     mid.set_xscale("log", base=2)
     mid.set_ylim(0, 1.05)
-    mid.set_xlabel("distance d between the answer and the question")
-    mid.set_ylabel("test accuracy (dots: seeds)")
-    mid.set_title(f"recall after {doc['preset']['steps']} training steps")
+    mid.set_xlabel(t("distance"))
+    mid.set_ylabel(t("accuracy"))
+    mid.set_title(t("rec_title", steps=doc["preset"]["steps"]))
     mid.grid(True, alpha=0.3)
     mid.legend(fontsize=8)
     tr = doc["training"]
@@ -49,101 +93,148 @@ def rnn(doc: dict, path: str | Path | None = None):
             xs = [tr["every"] * (j + 1) for j in range(len(curve))]
             right.plot(xs, curve, color=color, alpha=0.8, label=label if i == 0 else None)
     right.set_yscale("log")
-    right.set_xlabel("training step")
-    right.set_ylabel(f"cross-entropy (mean of {tr['every']} steps)")
-    right.set_title("training, same batches for both")
+    right.set_xlabel(t("step"))
+    right.set_ylabel(t("loss", every=tr["every"]))
+    right.set_title(t("train_title"))
     right.grid(True, which="both", alpha=0.3)
     right.legend(fontsize=8)
-    return save(fig, path)
+    return finish(fig, path, lang)
 
 
-def scale(doc: dict, path: str | Path | None = None):
+SCALE_TEXT = {
+    "en": {
+        "measured": "q·k measured",
+        "closed_dk": "closed form d_k",
+        "measured_scaled": "q·k/√d_k measured",
+        "closed_1": "closed form 1",
+        "variance": "variance of the score",
+        "var_title": "1. the scores' variance",
+        "max_unscaled": "largest weight, scale 1",
+        "max_scaled": "largest weight, 1/√d_k",
+        "largest": "largest softmax weight",
+        "ent_unscaled": "entropy, scale 1",
+        "ent_scaled": "entropy, 1/√d_k",
+        "entropy": "entropy (nats), dashed",
+        "sat_title": "2. softmax over {keys} keys",
+        "unscaled": "scale 1",
+        "scaled": "1/√d_k",
+        "jacobian": "‖diag(p) − p pᵀ‖_F (mean)",
+        "jac_title": "3. gradient through the softmax",
+        "step": "training step",
+        "loss": "cross-entropy (mean of {every} steps)",
+        "train_title": "4. training at d_k = {d_k}",
+    },
+    "zh": {
+        "measured": "q·k 实测",
+        "closed_dk": "理论值 d_k",
+        "measured_scaled": "q·k/√d_k 实测",
+        "closed_1": "理论值 1",
+        "variance": "分数的方差",
+        "var_title": "1. 分数的方差",
+        "max_unscaled": "最大权重，不缩放",
+        "max_scaled": "最大权重，1/√d_k",
+        "largest": "softmax 的最大权重",
+        "ent_unscaled": "熵，不缩放",
+        "ent_scaled": "熵，1/√d_k",
+        "entropy": "熵（nats，虚线）",
+        "sat_title": "2. 对 {keys} 个键做 softmax",
+        "unscaled": "不缩放",
+        "scaled": "1/√d_k",
+        "jacobian": "‖diag(p) − p pᵀ‖_F（平均）",
+        "jac_title": "3. 经过 softmax 的梯度",
+        "step": "训练步数",
+        "loss": "交叉熵（每 {every} 步的平均）",
+        "train_title": "4. 在 d_k = {d_k} 时训练",
+    },
+}
+
+
+def scale(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
     """Variance, saturation, Jacobian norm against d_k, and the two training curves."""
+    lang = figure_lang(lang)
+    t = labels(SCALE_TEXT, lang)
     fig = new_figure(15.0, 4.0)
     a, b, c, d = fig.subplots(1, 4)
     dks = [r["d_k"] for r in doc["variance"]]
-    a.loglog(
-        dks, [r["unscaled"] for r in doc["variance"]], "o", color="C3", base=2, label="q·k measured"
-    )
-    a.loglog(dks, dks, "-", color="C3", alpha=0.5, base=2, label="closed form d_k")
-    a.loglog(
-        dks,
-        [r["scaled"] for r in doc["variance"]],
-        "o",
-        color="C0",
-        base=2,
-        label="q·k/√d_k measured",
-    )
-    a.loglog(dks, [1.0] * len(dks), "-", color="C0", alpha=0.5, base=2, label="closed form 1")
+    var = doc["variance"]
+    a.loglog(dks, [r["unscaled"] for r in var], "o", color="C3", base=2, label=t("measured"))
+    a.loglog(dks, dks, "-", color="C3", alpha=0.5, base=2, label=t("closed_dk"))
+    a.loglog(dks, [r["scaled"] for r in var], "o", color="C0", base=2, label=t("measured_scaled"))
+    a.loglog(dks, [1.0] * len(dks), "-", color="C0", alpha=0.5, base=2, label=t("closed_1"))
     a.set_xlabel("d_k")
-    a.set_ylabel("variance of the score")
-    a.set_title("1. the scores' variance")
+    a.set_ylabel(t("variance"))
+    a.set_title(t("var_title"))
     a.legend(fontsize=8)
     sat = doc["saturation"]
-    b.semilogx(
-        dks,
-        [r["max_weight_unscaled"] for r in sat],
-        "o-",
-        color="C3",
-        base=2,
-        label="largest weight, scale 1",
-    )
-    b.semilogx(
-        dks,
-        [r["max_weight_scaled"] for r in sat],
-        "o-",
-        color="C0",
-        base=2,
-        label="largest weight, 1/√d_k",
-    )
+    for name, color in (("unscaled", "C3"), ("scaled", "C0")):
+        ys = [r[f"max_weight_{name}"] for r in sat]
+        b.semilogx(dks, ys, "o-", color=color, base=2, label=t(f"max_{name}"))
     b.set_ylim(0, 1.02)
     b.set_xlabel("d_k")
-    b.set_ylabel("largest softmax weight")
+    b.set_ylabel(t("largest"))
     ent = b.twinx()
-    ent.semilogx(
-        dks,
-        [r["entropy_unscaled"] for r in sat],
-        "s--",
-        color="C3",
-        alpha=0.5,
-        base=2,
-        label="entropy, scale 1",
-    )
-    ent.semilogx(
-        dks,
-        [r["entropy_scaled"] for r in sat],
-        "s--",
-        color="C0",
-        alpha=0.5,
-        base=2,
-        label="entropy, 1/√d_k",
-    )
-    ent.set_ylabel("entropy (nats), dashed")
-    b.set_title(f"2. softmax over {doc['preset']['keys']} keys")
+    for name, color in (("unscaled", "C3"), ("scaled", "C0")):
+        ys = [r[f"entropy_{name}"] for r in sat]
+        ent.semilogx(dks, ys, "s--", color=color, alpha=0.5, base=2, label=t(f"ent_{name}"))
+    ent.set_ylabel(t("entropy"))
+    b.set_title(t("sat_title", keys=doc["preset"]["keys"]))
     b.legend(fontsize=7, loc="center left")
     jac = doc["jacobian"]
-    c.loglog(dks, [r["norm_unscaled"] for r in jac], "o-", color="C3", base=2, label="scale 1")
-    c.loglog(dks, [r["norm_scaled"] for r in jac], "o-", color="C0", base=2, label="1/√d_k")
+    for name, color in (("unscaled", "C3"), ("scaled", "C0")):
+        ys = [r[f"norm_{name}"] for r in jac]
+        c.loglog(dks, ys, "o-", color=color, base=2, label=t(name))
     c.set_xlabel("d_k")
-    c.set_ylabel("‖diag(p) − p pᵀ‖_F (mean)")
-    c.set_title("3. gradient through the softmax")
+    c.set_ylabel(t("jacobian"))
+    c.set_title(t("jac_title"))
     c.legend(fontsize=8)
     tr = doc["training"]
     xs = [tr["every"] * (i + 1) for i in range(len(tr["scaled"]))]
-    d.plot(xs, tr["scaled"], color="C0", label="1/√d_k")
-    d.plot(xs, tr["unscaled"], color="C3", label="scale 1")
-    d.set_xlabel("training step")
-    d.set_ylabel(f"cross-entropy (mean of {tr['every']} steps)")
-    d.set_title(f"4. training at d_k = {tr['d_k']}")
+    d.plot(xs, tr["scaled"], color="C0", label=t("scaled"))
+    d.plot(xs, tr["unscaled"], color="C3", label=t("unscaled"))
+    d.set_xlabel(t("step"))
+    d.set_ylabel(t("loss", every=tr["every"]))
+    d.set_title(t("train_title", d_k=tr["d_k"]))
     d.legend(fontsize=8)
     for ax in (a, c, d):
         ax.grid(True, which="both", alpha=0.3)
     b.grid(True, alpha=0.3)
-    return save(fig, path)
+    return finish(fig, path, lang)
 
 
-def routing(doc: dict, path: str | Path | None = None):
+ROUTING_TEXT = {
+    "en": {
+        "cnn": "cnn",
+        "lstm": "lstm",
+        "attention": "attention",
+        "distance": "distance from the last position",
+        "gradient": "‖∂ output_last / ∂ input‖ (mean)",
+        "layers": "{layers} layer{s}",
+        "answer": "the answer's position",
+        "back": "distance back from the query (0 = the query, {n} positions)",
+        "sequence": "test sequence",
+        "reads": "where the trained model reads ({w:.0%} on the answer)",
+        "weight": "attention weight",
+    },
+    "zh": {
+        "cnn": "CNN",
+        "lstm": "LSTM",
+        "attention": "注意力",
+        "distance": "与最后一个位置的距离",
+        "gradient": "‖∂ 最后位置的输出 / ∂ 输入‖（平均）",
+        "layers": "{layers} 层",
+        "answer": "答案所在的位置",
+        "back": "从提问处往前的距离（0 = 提问处，共 {n} 个位置）",
+        "sequence": "测试序列",
+        "reads": "训练后的模型读哪里（{w:.0%} 的权重落在答案上）",
+        "weight": "注意力权重",
+    },
+}
+
+
+def routing(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
     """Gradient against distance per model and depth, and the trained model's routes."""
+    lang = figure_lang(lang)
+    t = labels(ROUTING_TEXT, lang)
     depths = doc["preset"]["layers"]
     fig = new_figure(4.2 * len(depths) + 5.5, 4.2)
     axes = fig.subplots(1, len(depths) + 1)
@@ -157,10 +248,10 @@ def routing(doc: dict, path: str | Path | None = None):
                 if r["model"] == kind and r["layers"] == layers and r["grad_norm"] > 0
             ]
             if pts:
-                ax.semilogy(*zip(*pts, strict=True), ".-", color=colors[kind], label=kind)
-        ax.set_xlabel("distance from the last position")
-        ax.set_ylabel("‖∂ output_last / ∂ input‖ (mean)")
-        ax.set_title(f"{layers} layer{'s' if layers > 1 else ''}")
+                ax.semilogy(*zip(*pts, strict=True), ".-", color=colors[kind], label=t(kind))
+        ax.set_xlabel(t("distance"))
+        ax.set_ylabel(t("gradient"))
+        ax.set_title(t("layers", layers=layers, s="s" if layers > 1 else ""))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     ax = axes[-1]
@@ -168,18 +259,11 @@ def routing(doc: dict, path: str | Path | None = None):
     n = r["length"]
     rows = [list(reversed(ex["weights"])) for ex in r["examples"]]  # column = distance back
     image = ax.imshow(rows, aspect="auto", cmap="viridis", vmin=0, vmax=1)
-    ax.plot(
-        [ex["distance"] for ex in r["examples"]],
-        range(len(rows)),
-        "o",
-        mfc="none",
-        mec="red",
-        ms=7,
-        label="the answer's position",
-    )
-    ax.set_xlabel(f"distance back from the query (0 = the query, {n} positions)")
-    ax.set_ylabel("test sequence")
-    ax.set_title(f"where the trained model reads ({r['weight_on_source']:.0%} on the answer)")
+    answers = [ex["distance"] for ex in r["examples"]]
+    ax.plot(answers, range(len(rows)), "o", mfc="none", mec="red", ms=7, label=t("answer"))
+    ax.set_xlabel(t("back", n=n))
+    ax.set_ylabel(t("sequence"))
+    ax.set_title(t("reads", w=r["weight_on_source"]))
     ax.legend(fontsize=8, loc="lower right")
-    fig.colorbar(image, ax=ax, label="attention weight")
-    return save(fig, path)
+    fig.colorbar(image, ax=ax, label=t("weight"))
+    return finish(fig, path, lang)

@@ -251,19 +251,21 @@ TEXT = {
     },
     "zh": {
         "title": "软路由（{seconds:.0f} 秒）",
-        "reach": "1. 梯度的可达范围：{n} 个位置，宽度 {w}，随机初始化（{trials} 次）："
-        "梯度不小于最大值 1% 的最远距离",
-        "reach_cols": ("模型", "层数", "可达", "d={far} 处梯度/最大"),
+        "reach": "1. 梯度能传多远：{n} 个位置，宽度 {w}，刚初始化的权重（{trials} 次试验）；"
+        "“可达”是梯度不小于最大值 1% 的最远距离",
+        "reach_cols": ("模型", "层数", "可达", "d={far} 处的梯度/最大值"),
+        "models": {"cnn": "CNN", "lstm": "LSTM", "attention": "注意力"},
         "claim_cnn": "  论断：CNN 只看固定的局部窗口 → {verdict}（可达距离 = 层数：{got}）",
-        "claim_lstm": "  论断：RNN 逐站接力、逐渐衰减 → {verdict}（d={far} 处的梯度为最大值的 "
+        "claim_lstm": "  论断：RNN 逐站接力，信号逐渐衰减 → {verdict}（d={far} 处的梯度是最大值的 "
         "{rel}；规则：低于 1%）",
-        "claim_attn": "  论断：注意力一层就能到达每个位置 → {verdict}（d={far} 处的梯度为最大值的"
-        " {rel}；规则：至少 10%）",
-        "route": "2. 训练后的回忆模型的路由（{steps} 步，{n} 个位置）：准确率 {acc:.1%}，"
-        "答案位置上的平均权重 {w:.1%}（{samples} 条序列）",
-        "route_ex": "  答案在 {d:>2} 步之前：该处权重 {w:.2f}，最大权重 {m:.2f} 在 {where} 步之前",
-        "claim_route": "  论断：路由由内容决定（答案在哪里就读哪里）→ {verdict}"
-        "（答案位置上的平均权重 ≥ 50%）",
+        "claim_attn": "  论断：注意力一层就能到达每个位置 → {verdict}（d={far} 处的梯度是最大值的 "
+        "{rel}；规则：至少 10%）",
+        "route": "2. 训练好的回忆模型如何路由（训练 {steps} 步，序列长 {n}）：准确率 {acc:.1%}，"
+        "落在答案位置上的平均权重 {w:.1%}（{samples} 条序列）",
+        "route_ex": "  答案在往前 {d:>2} 个位置处：那里的权重 {w:.2f}；最大权重 {m:.2f} 在往前 "
+        "{where} 个位置处",
+        "claim_route": "  论断：路由由内容决定（答案在哪里就读哪里） → {verdict}"
+        "（规则：答案位置上的平均权重 ≥ 50%）",
     },
 }
 
@@ -298,16 +300,18 @@ def summary(doc: dict, lang: str = "en") -> str:
     lines.append(t("reach", n=p["length"], w=p["width"], trials=p["trials"]))
     cols = TEXT[lang]["reach_cols"]
     lines.append(row(cols[:3], (10, 6, 6)) + f"  {cols[3].format(far=far)}")
+    names = TEXT[lang].get("models", {})
     for r in doc["reach"]:
         rel = f"{r['farthest_relative']:.2e}"
-        lines.append(f"  {r['model']:>10} {r['layers']:>6} {r['reach']:>6}  {rel}")
+        cells = (names.get(r["model"], r["model"]), r["layers"], r["reach"])
+        lines.append(row(cells, (10, 6, 6)) + f"  {rel}")
+
+    sep = "、" if lang == "zh" else ", "
 
     def rel(kind: str) -> str:
-        return ", ".join(
-            f"{r['farthest_relative']:.1e}" for r in doc["reach"] if r["model"] == kind
-        )
+        return sep.join(f"{r['farthest_relative']:.1e}" for r in doc["reach"] if r["model"] == kind)
 
-    got = ", ".join(f"{r['layers']}→{r['reach']}" for r in doc["reach"] if r["model"] == "cnn")
+    got = sep.join(f"{r['layers']}→{r['reach']}" for r in doc["reach"] if r["model"] == "cnn")
     lines.append(t("claim_cnn", verdict=verdict(held["cnn"], lang), got=got))
     lines.append(t("claim_lstm", verdict=verdict(held["lstm"], lang), far=far, rel=rel("lstm")))
     lines.append(
@@ -335,8 +339,9 @@ def summary(doc: dict, lang: str = "en") -> str:
     return "\n".join(lines)
 
 
-def figure(doc: dict, path: str | Path | None = None):
-    """The lab's PNG (`qkv.labs.figures.routing`); returns the matplotlib Figure."""
+def figure(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
+    """The lab's PNG (`qkv.labs.figures.routing`), its labels in `lang`; returns the
+    matplotlib Figure."""
     from .figures import routing as draw
 
-    return draw(doc, path)
+    return draw(doc, path, lang=lang)

@@ -226,31 +226,31 @@ TEXT = {
     },
     "zh": {
         "title": "为什么除以 √d_k（{seconds:.0f} 秒）",
-        "var": "1. 单位方差 q、k 的 Var(q·k)（每个 d_k {samples:,} 对；理论值：不缩放为 d_k，"
-        "缩放后为 1）",
+        "var": "1. q、k 的分量方差为 1 时的 Var(q·k)（每个 d_k 取 {samples:,} 对；理论值："
+        "不缩放时为 d_k，缩放后为 1）",
         "var_cols": ("d_k", "q·k", "q·k/√d_k"),
         "var_claim": "  论断：方差随 d_k 增长，缩放后回到 1 → {verdict}"
-        "（每个测量值与理论值相差不超过 {tol:.0%}）",
-        "sat": "2. 对 {keys} 个键做 softmax：最大权重与熵（均匀分布为 {uni:.2f} nats）；"
-        "3. 其雅可比矩阵的范数",
+        "（每个测量值与理论值相差都不超过 {tol:.0%}）",
+        "sat": "2. 对 {keys} 个键做 softmax：最大权重与熵（均匀分布的熵为 {uni:.2f} nats）；"
+        "3. softmax 的雅可比矩阵的范数",
         "sat_cols": (
             "d_k",
-            "最大权重 1",
+            "最大权重 不缩放",
             "最大权重 1/√d_k",
-            "熵 1",
+            "熵 不缩放",
             "熵 1/√d_k",
-            "‖J‖ 1",
+            "‖J‖ 不缩放",
             "‖J‖ 1/√d_k",
         ),
-        "sat_claim": "  论断：不缩放时 softmax 饱和 → {verdict}（d_k 从 {d0} 到 {d}，最大权重："
-        "不缩放 {a0:.3f}→{a1:.3f}，缩放 {b0:.3f}→{b1:.3f}；规则：不缩放在最大 d_k 处 ≥ 0.9，"
-        "缩放后变化不超过 0.05）",
-        "grad_claim": "  论断：不缩放时梯度消失 → {verdict}"
-        "（‖J‖ 从峰值 {peak:.4f} 降到 d_k={d} 时的 {j1:.4f}；缩放时 {s0:.4f}→{s1:.4f}；"
-        "规则：不缩放从峰值至少降一半，缩放后变化不超过 10%）",
-        "train": "4. 在 d_k={d_k} 训练同一个模型（{steps} 步，相同的批次与初始权重；"
-        "初始损失 ln {values} = {init:.2f}）",
-        "train_row": "  第 {step:>5} 步后的损失：1/√d_k {a:.3f}   不缩放 {b:.3f}",
+        "sat_claim": "  论断：不缩放时 softmax 会饱和 → {verdict}（d_k 从 {d0} 到 {d}，最大权重："
+        "不缩放时 {a0:.3f}→{a1:.3f}，缩放时 {b0:.3f}→{b1:.3f}；规则：不缩放时在最大的 d_k 处 "
+        "≥ 0.9，缩放时与起点相差不超过 0.05）",
+        "grad_claim": "  论断：不缩放时梯度消失 → {verdict}（不缩放时 ‖J‖ 从峰值 {peak:.4f} "
+        "降到 d_k={d} 处的 {j1:.4f}；缩放时 {s0:.4f}→{s1:.4f}；规则：不缩放时从峰值至少降到一半，"
+        "缩放时变化不超过 10%）",
+        "train": "4. 在 d_k={d_k} 时训练同一个模型（{steps} 步，相同的批次和初始权重；"
+        "起始损失 ln {values} = {init:.2f}）",
+        "train_row": "  训练 {step:>5} 步后的损失：1/√d_k {a:.3f}   不缩放 {b:.3f}",
         "train_claim": "  论断：不缩放时训练停滞 → {verdict}（最终损失：1/√d_k 为 {a:.3f}，"
         "不缩放为 {b:.3f}；规则：不缩放时的损失至少是缩放时的 1.5 倍）",
     },
@@ -361,8 +361,9 @@ def summary(doc: dict, lang: str = "en") -> str:
     return "\n".join(lines)
 
 
-def figure(doc: dict, path: str | Path | None = None):
-    """The lab's PNG (`qkv.labs.figures.scale`); returns the matplotlib Figure."""
+def figure(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
+    """The lab's PNG (`qkv.labs.figures.scale`), its labels in `lang`; returns the matplotlib
+    Figure."""
     from .figures import scale as draw
 
-    return draw(doc, path)
+    return draw(doc, path, lang=lang)
