@@ -83,23 +83,57 @@ def _explain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--html", metavar="FILE", help="also write the page you can touch (heatmaps, sliders)"
     )
+    p.add_argument(
+        "--flash",
+        action="store_true",
+        help="FlashAttention's walk, tile by tile (with --html: its page instead)",
+    )
+    p.add_argument("--tile", type=_positive, default=2, help="with --flash: tile size (default 2)")
+
+    def keys(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}")
+        return value
+
+    p.add_argument(
+        "--window",
+        type=keys,
+        metavar="W",
+        help="with --flash: a sliding window of W keys each side",
+    )
 
 
 def _explain(args: argparse.Namespace) -> None:
     from .inspect.explain import ExplainError, render, walkthrough
 
+    if args.window is not None and not args.flash:
+        raise _Refused("--window needs --flash")
     if args.html:
         check_file(args.html, "--html")
     options = {"n": args.n, "d": args.d, "d_k": args.dk, "seed": args.seed, "causal": args.causal}
     try:
-        w = walkthrough(**options)
-        if args.html:
-            from .inspect.formula import write_formula_page
+        if args.flash:  # FlashAttention's walk over the same Q, K, V
+            from .inspect.flash_text import render_walk
 
-            write_formula_page(args.html, **options, lang=args.lang)
+            text = render_walk(**options, tile=args.tile, window=args.window, lang=args.lang)
+            if args.html:
+                from .inspect.flash_page import write_flash_page
+
+                write_flash_page(args.html, **options, tile=args.tile, lang=args.lang)
+        else:
+            w = walkthrough(**options)
+            if args.html:
+                from .inspect.formula import write_formula_page
+
+                write_formula_page(args.html, **options, lang=args.lang)
+            text = render(w, args.lang, full=args.full)
     except ExplainError as e:
         raise _Refused(str(e)) from None
-    print(render(w, args.lang, full=args.full))
+    print(text)
     if args.html:
         print(f"\npage: {args.html} (open it in a browser)")
 

@@ -61,6 +61,13 @@ HELP = {
     "also write the page you can touch (heatmaps, sliders)": (
         "同时写出可交互的网页（热力图、滑块）"
     ),
+    "FlashAttention's walk, tile by tile (with --html: its page instead)": (
+        "逐块演示 FlashAttention 的计算过程（与 --html 同用：改为写出它的网页）"
+    ),
+    "with --flash: tile size (default 2)": "与 --flash 同用：块的大小（默认 2）",
+    "with --flash: a sliding window of W keys each side": (
+        "与 --flash 同用：滑动窗口，每侧 W 个键"
+    ),
     # attend
     "the text (default: the cat example)": "要分析的文本（默认：猫的例句）",
     'the word to ask about (default "it", else the first word)': (
@@ -179,6 +186,21 @@ ERRORS: list[tuple[str, str]] = [
         "网页最多显示 {0} 个词元、宽度最多 {1}，得到的是 {2}（文字版的逐步演示不限大小）",
     ),
     (r"the page's d_k is one of (.+)", "网页的 d_k 只能取 {0}"),
+    (r"expected an integer ≥ 0, got (.+)", "需要一个 ≥ 0 的整数，得到的是 {0}"),
+    (r"--window needs --flash", "--window 需要同时给出 --flash"),
+    (
+        r"the walk prints every tile: N=(\d+) with tiles of (\d+) makes (\S+) steps \(at most "
+        r"(\S+)\); use a larger --tile or a smaller --n",
+        "逐块演示会打印每一块：N={0}、块大小 {1} 共 {2} 步（最多 {3} 步）；"
+        "请用更大的 --tile 或更小的 --n",
+    ),
+    (
+        r"the flash page takes (\S+) from 1 to (\d+), got (.+) \(the text walk, "
+        r"`qkv explain --flash`, takes larger ones\)",
+        "FlashAttention 网页的 {0} 取值为 1 到 {1}，得到的是 {2}（文字演示 "
+        "`qkv explain --flash` 可以更大）",
+    ),
+    (r"tile must be at most n, got (.+)", "块大小不能超过 N，得到的是 {0}"),
     (r"--image: no such file: (.+)", "--image：没有这个文件：{0}"),
     (r"width must be a positive number of pixels, got (.+)", "宽度须为正的像素数，得到的是 {0}"),
     (r"height must be a positive number of pixels, got (.+)", "高度须为正的像素数，得到的是 {0}"),
