@@ -188,7 +188,7 @@ def test_demo_writes_its_report(minilm, tmp_path, monkeypatch):
     lines = []
     index = demo.run(tmp_path / "demo", tiny, progress=False, echo=lines.append)
     page = index.read_text()
-    for link in re.findall(r'(?:href|src)="([^"]+)"', page):
+    for link in re.findall(r'(?:href|src)="([^"#][^"]*)"', page):
         assert (index.parent / link).stat().st_size > 0, link
     assert "viewer.html" in page and "cost.png" in page and "explain.html" in page
     for title in ("Past O(N²)", "Visual tokens", "The next chapter: the Transformer block"):
@@ -235,5 +235,5 @@ def test_demo_in_chinese_writes_its_report_and_pages_in_chinese(minilm, tmp_path
     assert printed.count("成立") + printed.count("无法判断") >= 3  # the labs' verdicts, in zh
     for name in ("viewer.html", "explain.html"):
         assert '"lang": "zh"' in (index.parent / name).read_text(encoding="utf-8"), name
-    for link in re.findall(r'(?:href|src)="([^"]+)"', page):
+    for link in re.findall(r'(?:href|src)="([^"#][^"]*)"', page):
         assert (index.parent / link).stat().st_size > 0, link

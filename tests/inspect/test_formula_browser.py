@@ -1,7 +1,8 @@
 """The page you can touch (`qkv explain --html`) in a real headless Chromium: its numbers are
 `qkv.reference.steps` on the walk-through's X and W, hover shows a value, clicking S[i, j] shows
 q_i · k_j term by term, the scale slider, d_k, causal, re-roll and language change what they
-should, it fits a 1280×800 laptop screen and asks nothing of the network.
+should, the slider's ends are labelled, every matrix at d_k = 64 can be read on a 1280×800
+laptop screen (wide ones scroll inside their own box) and it asks nothing of the network.
 
 Skipped without Playwright or Chromium, unless QKV_REQUIRE_BROWSER=1 (CI)."""
 
@@ -16,7 +17,7 @@ from qkv import reference
 from qkv.inspect.explain import walkthrough
 from qkv.inspect.formula import ROLLS, formula_data, write_formula_page
 
-from .test_viewer_browser import _browser
+from .test_viewer_browser import _browser, unreachable
 
 
 def _close(got, want: torch.Tensor, what: str) -> None:
@@ -112,3 +113,77 @@ def test_the_page_embeds_each_rolls_walkthrough():
         w.W_v.tolist()
     )
     assert math.isclose(sum(map(len, data["rolls"][0]["X"])), 32)
+
+
+def _open(p, chromium, path, width=1280, height=800):
+    browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+    page = browser.new_page(viewport={"width": width, "height": height})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(path.as_uri())
+    page.wait_for_function("window.qkvFormulaReady === true", timeout=10_000)
+    return browser, page, errors
+
+
+def _ends(page) -> tuple[str, str]:
+    """The slider's two end labels, checked to sit left and right of it on its line."""
+    lo, bar, hi = (
+        page.query_selector(s).bounding_box() for s in ("#scale-lo", "#scale", "#scale-hi")
+    )
+    assert lo["x"] + lo["width"] <= bar["x"] and bar["x"] + bar["width"] <= hi["x"], (lo, bar, hi)
+    for box in (lo, hi):
+        assert box["y"] < bar["y"] + bar["height"] and bar["y"] < box["y"] + box["height"]
+    return page.inner_text("#scale-lo"), page.inner_text("#scale-hi")
+
+
+def test_the_sliders_ends_say_what_they_mean_in_both_languages(tmp_path):
+    sync_playwright, chromium = _browser()
+    path = write_formula_page(tmp_path / "explain.html")
+    with sync_playwright() as p:
+        browser, page, errors = _open(p, chromium, path)
+        assert _ends(page) == ("1 (no scaling)", "1/√d_k")
+        page.select_option("#lang", "zh")
+        assert _ends(page) == ("1（不缩放）", "1/√d_k")
+        assert page.title() == "qkv：缩放点积注意力，一步一步"
+        browser.close()
+    assert errors == []
+
+
+def test_every_matrix_at_d_k_64_can_be_reached_on_a_laptop(tmp_path):
+    """At 1280×800 and d_k = 64 the (8, 64) and (4, 64) matrices are wider than the window: each
+    scrolls sideways inside its own box, which says so in its caption, in both languages, and
+    the page itself never scrolls sideways. With that box's scrolling taken away, the check
+    fails."""
+    sync_playwright, chromium = _browser()
+    path = write_formula_page(tmp_path / "explain.html", d_k=64)
+    text = path.read_text(encoding="utf-8")
+    rule = ".mat { max-width: 100%; overflow-x: auto;"
+    assert rule in text
+    broken = tmp_path / "broken.html"
+    broken.write_text(text.replace(rule, ".mat { max-width: 100%;"), encoding="utf-8")
+    with sync_playwright() as p:
+        browser, page, errors = _open(p, chromium, path)
+        for lang, more in (
+            ("en", "scroll sideways for all 64 columns"),
+            ("zh", "左右滚动可看到全部 64 列"),
+        ):
+            page.select_option("#lang", lang)
+            assert unreachable(page) == [], lang
+            assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+            wide = page.eval_on_selector_all("figure.wide table", "ts => ts.map(t => t.dataset.m)")
+            assert wide == ["Wq", "Wk", "Wv", "Q", "K", "V", "Out"], wide
+            box = page.query_selector("figure.wide .mat")
+            assert box.evaluate("b => b.scrollWidth > b.clientWidth")
+            box.evaluate("b => { b.scrollLeft = b.scrollWidth; }")  # scrolled to its end,
+            last = page.query_selector('table[data-m="Wq"] tr td:last-child').bounding_box()
+            assert last["x"] >= 0 and last["x"] + last["width"] <= 1280  # the last column shows
+            assert more in page.inner_text('figure:has(table[data-m="Wq"]) figcaption')
+            assert more not in page.inner_text('figure:has(table[data-m="S"]) figcaption')
+        page.select_option("#dk", "4")  # nothing is wide at d_k = 4
+        assert page.query_selector_all("figure.wide") == []
+        browser.close()
+        assert errors == []
+
+        browser, page, errors = _open(p, chromium, broken)
+        assert any("table[Wq]" in bad for bad in unreachable(page)), unreachable(page)
+        browser.close()

@@ -54,3 +54,21 @@ def test_no_user_string_reaches_the_page_as_markup():
     assert not set("<>&") & set(embedded)  # nothing the HTML parser could read as a tag
     data = json.loads(embedded)
     assert data["text"] == HOSTILE and data["words"] == amap.words  # the text itself is intact
+
+
+def test_the_opening_state_is_embedded_and_checked():
+    """The page opens on a word (by its text or position), a layer and a head, all counted
+    from 0; what is not in the map is refused before any page is written."""
+    import pytest
+
+    from qkv.inspect.attend import AttendError
+    from qkv.inspect.viewer import opening
+
+    amap = _map()
+    assert _embedded(viewer_html(amap))["open"] == {"word": None, "layer": 0, "head": 0}
+    data = _embedded(viewer_html(amap, "zh", word="W3", layer=1, head=2))
+    assert data["open"] == {"word": 3, "layer": 1, "head": 2} and data["lang"] == "zh"
+    assert opening(amap, 5, 1) == {"word": 5, "layer": 1, "head": 0}
+    for bad in ({"word": "cat"}, {"word": 6}, {"word": -1}, {"layer": 2}, {"head": 3}):
+        with pytest.raises(AttendError):
+            opening(amap, **bad)

@@ -36,6 +36,48 @@ def _browser():
     return sync_playwright, chromium
 
 
+# What a reader cannot reach at this screen size: an element whose own content is wider than
+# its box while the box does not scroll (cut or spilling), or an element that sticks out of a
+# box that clips it or out of the window, unless a box around it scrolls sideways (then that
+# box must lie within the window). Returns a description of each such element.
+UNREACHABLE_JS = """(selector) => {
+  const vw = document.documentElement.clientWidth;
+  const style = el => getComputedStyle(el).overflowX;
+  const scrolls = el => ["auto", "scroll"].includes(style(el));
+  const name = el => el.tagName.toLowerCase() + (el.id ? "#" + el.id : "")
+    + (el.dataset.m ? "[" + el.dataset.m + "]" : "")
+    + " " + (el.textContent || "").trim().slice(0, 40);
+  const bad = [];
+  for (const el of document.querySelectorAll(selector)) {
+    if (!el.getClientRects().length) continue;  // not shown
+    if (el.scrollWidth > el.clientWidth + 1 && !scrolls(el)
+        && !["svg", "canvas", "img"].includes(el.tagName.toLowerCase())) {
+      bad.push("content wider than its box: " + name(el)); continue;
+    }
+    const r = el.getBoundingClientRect();
+    let box = null;
+    for (let p = el.parentElement; p && p !== document.body; p = p.parentElement) {
+      if (scrolls(p)) { box = p; break; }
+      const pr = p.getBoundingClientRect();
+      const out = r.right > pr.right + 1 || r.left < pr.left - 1;
+      if (["hidden", "clip"].includes(style(p)) && out) {
+        bad.push("cut by its box: " + name(el)); box = undefined; break;
+      }
+    }
+    if (box === undefined) continue;
+    const b = (box || el).getBoundingClientRect();
+    if (b.left < -1 || b.right > vw + 1) bad.push("out of the window: " + name(box || el));
+  }
+  return bad;
+}"""
+
+
+def unreachable(page, selector: str = "pre, table, canvas, svg, img") -> list[str]:
+    """The elements of `selector` on `page` whose content a reader cannot reach (see
+    `UNREACHABLE_JS`); empty when everything can be read or scrolled to."""
+    return page.evaluate(UNREACHABLE_JS, selector)
+
+
 def _shown(page) -> list[tuple[str, float]]:
     rows = page.query_selector_all("#weights tr")
     return [
@@ -449,3 +491,130 @@ def test_both_screens_show_every_mode_without_sideways_scrolling(tmp_path):
                 page.screenshot(path=str(tmp_path / f"{mode}-{width}x{height}.png"))
             browser.close()
             assert errors == []
+
+
+# The page opens on a question: a word selected at a chosen layer and head.
+
+
+def _opened(page) -> dict:
+    """What the page shows right after opening: layer, head, the selected word's line, the
+    looking words drawn and the word in bold."""
+    return {
+        "layer": page.input_value("#layer"),
+        "head": page.input_value("#head"),
+        "selected": page.inner_text("#selected"),
+        "from": sorted({k["i"] for k in _links(page)}),
+        "bold": page.eval_on_selector_all("#lines text.sel", "ts => ts.map(t => t.dataset.i)"),
+    }
+
+
+def _opens_on(page, amap, word: int, layer: int, head: int) -> None:
+    """The page shows `word` selected at `layer` and `head`, with that head's weights."""
+    shown = _opened(page)
+    name = amap.words[word]
+    assert (shown["layer"], shown["head"]) == (str(layer), str(head)), shown
+    assert shown["selected"].startswith(
+        f'"{name}" (word {word}) looks at, layer {layer}, head {head}'
+    ), shown
+    assert shown["from"] == [word] and shown["bold"] == [str(word)], shown
+    _agree(_shown(page), _expected(amap, layer, head, word))
+
+
+def test_the_viewer_opens_on_the_question_it_was_given(tmp_path):
+    """`write_viewer(..., word=, layer=, head=)` opens on that word selected at that layer and
+    head (the demo's "it" at the head most specific to "cat"), in either language, and says
+    once that every number counts from 0. Without them: layer 0, head 0, no word."""
+    sync_playwright, chromium = _browser()
+    amap = _map(WORDS, seed=4)
+    asked = write_viewer(amap, tmp_path / "asked.html", word="it", layer=3, head=7)
+    by_position = write_viewer(amap, tmp_path / "pos.html", word=2, layer=5, head=11)
+    zh = write_viewer(amap, tmp_path / "zh.html", lang="zh", word="it", layer=3, head=1)
+    plain = write_viewer(amap, tmp_path / "plain.html")
+    with sync_playwright() as p:
+        browser, page, errors = _open(p, chromium, asked)
+        _opens_on(page, amap, 7, 3, 7)
+        assert page.inner_text("#numbering") == (
+            "Layers, heads and words are numbered from 0, as qkv attend prints them."
+        )
+        page.click('#lines text[data-side=from][data-i="7"]')  # a click lets go of the word
+        page.mouse.move(0, 0)
+        assert page.inner_text("#selected") == "no word selected"
+        browser.close()
+        assert errors == []
+
+        browser, page, errors = _open(p, chromium, by_position)
+        _opens_on(page, amap, 2, 5, 11)
+        browser.close()
+
+        browser, page, errors = _open(p, chromium, zh)
+        assert (page.input_value("#layer"), page.input_value("#head")) == ("3", "1")
+        assert page.inner_text("#selected").startswith("“it”（第 7 个词）看向：第 3 层，第 1 个头")
+        numbering = "层、头和词都从 0 开始编号，与 qkv attend 的输出一致。"
+        assert page.inner_text("#numbering") == numbering
+        labels = page.eval_on_selector_all(".head-lab", "ls => ls.map(l => l.textContent)")
+        assert labels[-1] == "展开"  # the rollout's column
+        assert page.title() == "qkv 注意力查看器"
+        browser.close()
+        assert errors == []
+
+        browser, page, errors = _open(p, chromium, plain)
+        shown = _opened(page)
+        assert (shown["layer"], shown["head"], shown["selected"]) == ("0", "0", "no word selected")
+        browser.close()
+
+
+def test_the_opening_check_fails_on_a_page_that_ignores_the_question(tmp_path):
+    """The opening test's check, on a page broken on purpose (it drops the word and opens on
+    layer 0 head 0 as before), fails."""
+    sync_playwright, chromium = _browser()
+    amap = _map(WORDS, seed=4)
+    path = write_viewer(amap, tmp_path / "v.html", word="it", layer=3, head=7)
+    page_text = path.read_text(encoding="utf-8")
+    broken = page_text.replace(
+        "layer: open.layer, head: open.head, pinned: open.word",
+        "layer: 0, head: 0, pinned: null",
+    ).replace('$("layer").value = String(state.layer);', '$("layer").value = "0";')
+    assert broken != page_text
+    path.write_text(broken, encoding="utf-8")
+    with sync_playwright() as p:
+        browser, page, _ = _open(p, chromium, path)
+        with pytest.raises(AssertionError):
+            _opens_on(page, amap, 7, 3, 7)
+        browser.close()
+
+
+def test_nothing_in_the_viewer_is_out_of_reach_on_a_laptop(tmp_path):
+    """At 1280×800, every table, canvas and drawing of the viewer can be read or scrolled to,
+    in each mode, with a long word and with 700 words (a heatmap, at two pixels a cell, wider
+    than the window, which then scrolls inside its own box); with that box's scrolling taken
+    away, the check fails."""
+    import torch
+
+    from qkv.inspect.attend import AttentionMap
+
+    sync_playwright, chromium = _browser()
+    words = [*WORDS[:-1], "extraordinarily-long-hyphenated-word", "[SEP]"]
+    short = write_viewer(_map(words), tmp_path / "short.html", word="it", layer=2, head=3)
+    many = [f"w{k}" for k in range(700)]
+    g = torch.Generator().manual_seed(5)
+    w = (3 * torch.randn((1, 1, 700, 700), generator=g, dtype=torch.float64)).softmax(-1)
+    wide = write_viewer(AttentionMap.from_weights(w, many), tmp_path / "wide.html")
+    text = wide.read_text(encoding="utf-8")
+    rule = "#view { flex: 0 1 auto; max-width: 100%; min-width: 0; overflow-x: auto; }"
+    assert rule in text
+    broken = tmp_path / "broken.html"
+    broken.write_text(text.replace(rule, "#view { flex: 0 1 auto; }"), encoding="utf-8")
+    with sync_playwright() as p:
+        for path in (short, wide):
+            browser, page, errors = _open(p, chromium, path)
+            for mode in ["links", "heatmap", "heads"]:
+                page.click(f"#modes button[data-mode={mode}]")
+                assert unreachable(page) == [], (path.name, mode)
+                assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+            browser.close()
+            assert errors == []
+        browser, page, errors = _open(p, chromium, broken)
+        page.click("#modes button[data-mode=heatmap]")
+        assert page.evaluate("heatmap.getBoundingClientRect().width") > 1280
+        assert any("canvas#heatmap" in bad for bad in unreachable(page))
+        browser.close()

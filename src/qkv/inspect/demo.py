@@ -3,19 +3,21 @@
 1. the formula on real numbers (`qkv explain`, English and Chinese);
 2. every backend against the float64 oracle, and what `auto` picks and why;
 3. where "it" looks in the real all-MiniLM-L6-v2 (`qkv attend`): a text answer, two PNGs and
-   the interactive viewer;
+   the interactive viewer, opened on "it" at the head most specific to "cat";
 4. the cost curve (`qkv bench --quick`): a table, a JSON and a log-log PNG;
-5. past O(N²): sparse patterns as pictures of kept tiles, FlashAttention's O(N) memory from the
+5. FlashAttention step by step (`qkv explain --flash`): the walk printed and `flash.html`;
+6. past O(N²): sparse patterns as pictures of kept tiles, FlashAttention's O(N) memory from the
    cost curve just measured (`qkv.inspect.chapter`);
-6. visual tokens: what 336², 672² and 1344² images cost for Qwen2-VL and LLaVA-NeXT;
-7.–9. the chapter's claims measured (`qkv lab rnn`, `scale`, `routing`, quick versions, or the
+7. visual tokens: what 336², 672² and 1344² images cost for Qwen2-VL and LLaVA-NeXT;
+8.–10. the chapter's claims measured (`qkv lab rnn`, `scale`, `routing`, quick versions, or the
    full ones with `labs="full"`): each lab's answer, its PNG and its JSON;
-10. the next chapter: a Transformer block on the same example, shape by shape.
+11. the next chapter: a Transformer block on the same example, shape by shape.
 
 Each part is a section function that writes its files and appends its piece of the report as
-soon as it is done; `index.html` in the folder links everything. After Ctrl-C the report is
-still written with the sections finished so far (and the measurements of an interrupted cost
-curve), then the interrupt goes on to the caller.
+soon as it is done; `index.html` in the folder links everything: a page to read, with a table
+of contents, prose that wraps, and tables that scroll inside their own box. After Ctrl-C the
+report is still written with the sections finished so far (and the measurements of an
+interrupted cost curve), then the interrupt goes on to the caller.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import html
 import importlib
 import json
 import platform
+import re
 import time
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +40,11 @@ from . import bench, chapter
 from .attend import EXAMPLE, model_attention, summary
 from .explain import render, walkthrough
 from .figures import attention_grid, cost_plot, token_heads
+from .flash_page import write_flash_page
+from .flash_text import render_walk
 from .formula import write_formula_page
+from .specific import question_lines, specific_head
+from .text import columns
 from .viewer import write_viewer
 
 DEMO_HINT = "pip install -e '.[demo]'  (or: pip install 'qkv[demo]')"
@@ -59,10 +67,12 @@ CHECK = {
     "en": {
         "head": "Causal attention, B=1, H=8, N={n}, D=64, fp32, every backend against fp64:",
         "picks": "What `auto` picks{label} and why:",
+        "lse": " with return_lse=True",
     },
     "zh": {
         "head": "因果注意力，B=1，H=8，N={n}，D=64，fp32，每个后端与 fp64 结果比较：",
-        "picks": "`auto` 的选择{label}及其理由（理由为英文）：",
+        "picks": "{label}`auto` 选了哪个后端，为什么（理由由 qkv.dispatch 给出，为英文）：",
+        "lse": "return_lse=True 时，",
     },
 }
 
@@ -78,7 +88,7 @@ def backends_check(n: int = 1024, lang: str = "en") -> str:
         out = attention(q, k, v, causal=True, backend=name, finite_inputs=True)
         err = (out.double() - gold).abs().max().item()
         lines.append(f"  {name:<9} max |out − golden| = {err:.2e}")
-    for label, extra in (("", {}), (" with return_lse=True", {"return_lse": True})):
+    for label, extra in (("", {}), (t["lse"], {"return_lse": True})):
         decision = dispatch(q, k, v, causal=True, finite_inputs=True, **extra)
         lines.append(t["picks"].format(label=label))
         lines.append("  " + str(decision).replace("\n", "\n  "))
@@ -95,8 +105,11 @@ TEXT = {
         "backends": "The backends agree",
         "attend": "Where does “it” look in a real model?",
         "attend_intro": "all-MiniLM-L6-v2 run through qkv’s transformers backend on “{text}”. "
-        'Open the <a href="viewer.html">interactive viewer</a> (pick a layer and head, hover a '
-        'word); the full weights are in <a href="attention.json">attention.json</a>.',
+        'The <a href="viewer.html">interactive viewer</a> opens on this question: “it” selected, '
+        "layer {layer} head {head} (numbered from 0, as printed below), the head where “it” gives "
+        "“cat” the most beyond what the other words give it ({weight:.2f} against {others:.2f} "
+        "on average); pick another layer or head, or hover a word. "
+        'The full weights are in <a href="attention.json">attention.json</a>.',
         "attend_alt_it": "where 'it' looks, every layer and head",
         "attend_alt_grid": "every layer and head",
         "cost": "The cost of attention",
@@ -105,6 +118,13 @@ TEXT = {
         'grows as N. Measured now, on this machine (<a href="bench.json">bench.json</a>).',
         "cost_interrupted": "Interrupted: the runs measured before Ctrl-C.",
         "cost_alt": "time and memory against N, log-log",
+        "flash": "FlashAttention, step by step",
+        "flash_intro": "How the same softmax comes out of tiles without ever holding the N × N "
+        "matrix: each query tile keeps a running maximum m, a running sum l and an output O, and "
+        "rescales them as each key tile arrives. "
+        '<a href="flash.html">Step through it</a> (next, back, play, arrow keys; masks that skip '
+        "tiles; decoding with a cache split in chunks). Printed by "
+        "<code>qkv explain --flash</code>:",
         "long": "Past O(N²): sparse attention and FlashAttention",
         "long_intro": "Sparse Transformer, Longformer and BigBird masks skip whole tiles; "
         "FlashAttention keeps dense attention exact in O(N) memory.",
@@ -121,6 +141,9 @@ TEXT = {
         "{took:.0f} s on {machine}, torch {torch}, {threads} threads.",
         "state_done": "in",
         "state_interrupted": "interrupted (Ctrl-C) after",
+        "contents": "Contents",
+        "finished": "qkv demo finished in {took:.0f} s; open {index}",
+        "interrupted": "qkv demo interrupted after {took:.0f} s; what was finished: {index}",
     },
     "zh": {
         "formula": "公式，一步一步",
@@ -131,7 +154,10 @@ TEXT = {
         "backends": "各个后端的结果一致",
         "attend": "在真实模型里，“it” 把注意力放在哪里？",
         "attend_intro": "all-MiniLM-L6-v2 通过 qkv 的 transformers 后端处理句子 “{text}”。"
-        '打开<a href="viewer.html">交互式查看器</a>（选择层和头，把鼠标移到词上）；'
+        '<a href="viewer.html">交互式查看器</a>打开时就停在这个问题上：选中“it”，'
+        "第 {layer} 层第 {head} 个头（从 0 开始编号，与下面的输出一致）：在所有头中，这个头里"
+        "“it”给“cat”的权重比其他词给它的平均权重高出最多（{weight:.2f}，其他词平均 {others:.2f}）。"
+        "也可以换一层、换一个头，或把鼠标移到词上。"
         '全部权重在 <a href="attention.json">attention.json</a> 中。',
         "attend_alt_it": "“it” 在每一层、每个头中的注意力",
         "attend_alt_grid": "每一层、每个头",
@@ -141,6 +167,11 @@ TEXT = {
         '（<a href="bench.json">bench.json</a>）。',
         "cost_interrupted": "已中断：这里是按下 Ctrl-C 之前测完的部分。",
         "cost_alt": "时间和内存随 N 的变化，双对数坐标",
+        "flash": "FlashAttention，一步一步",
+        "flash_intro": "不保存 N × N 矩阵，怎样从一个个块里算出同一个 softmax："
+        "每个查询块记着运行中的最大值 m、总和 l 和输出 O，每来一个键块就把它们重新缩放一次。"
+        '<a href="flash.html">逐步查看</a>（下一步、上一步、播放、方向键；跳过整块的掩码；'
+        "缓存分段的解码）。以下由 <code>qkv explain --flash</code> 打印：",
         "long": "超越 O(N²)：稀疏注意力与 FlashAttention",
         "long_intro": "Sparse Transformer、Longformer 和 BigBird 的掩码整块跳过计算；"
         "FlashAttention 以 O(N) 的内存精确地计算稠密注意力。",
@@ -157,8 +188,20 @@ TEXT = {
         "torch {torch}，{threads} 个线程。",
         "state_done": "用时",
         "state_interrupted": "在 Ctrl-C 中断前运行了",
+        "contents": "目录",
+        "finished": "qkv demo 已完成，用时 {took:.0f} 秒；打开 {index}",
+        "interrupted": "qkv demo 在 {took:.0f} 秒后被中断；已完成的部分：{index}",
     },
 }
+
+
+@dataclass
+class Section:
+    """One finished part of the report: its anchor in the page, its title and its HTML."""
+
+    anchor: str
+    title: str
+    body: str
 
 
 @dataclass
@@ -171,11 +214,12 @@ class Report:
     echo: Callable[[str], None]
     labs: str = "quick"  # which preset the labs run: "quick" or "full"
     lang: str = "en"  # the language of the report, its pages and the answers it prints
-    sections: list[str] = field(default_factory=list)
+    sections: list[Section] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)  # the cost curve's, for later sections
 
-    def add(self, title: str, body: str) -> None:
-        self.sections.append(f"<h2>{len(self.sections) + 1}. {html.escape(title)}</h2>\n{body}")
+    def add(self, key: str, body: str) -> None:
+        """Append the section `key` (its title is the sentence `key`) with its HTML `body`."""
+        self.sections.append(Section(key.replace("_", "-"), self.t(key), body))
 
     def t(self, key: str, **values: object) -> str:
         """The report's sentence `key` in its language."""
@@ -188,12 +232,123 @@ class Report:
         return title
 
 
-def pre(text: str) -> str:
-    return f"<pre>{html.escape(text)}</pre>"
+# Text printed for a terminal, turned into a page: the rows of a table (columns lined up by
+# runs of spaces, or a picture of tiles) stay preformatted in a box that scrolls sideways on its
+# own; every other line is prose, a paragraph that wraps at the page's width.
+_GAP = re.compile(r"\S {2,}(?=\S)")
+_TILES = re.compile(r"[#+.█░\d\s]*[#+.█░]{2,}[#+.█░\d\s]*")
+_WIDE = 100  # columns: a line with one gap and longer than this is a sentence, not a row
+_SHORT = 80  # columns: a short indented line next to a table's row belongs to the table
+_WRAP = 60  # columns: a line this long without an ending may be a sentence wrapped over lines
+_END = tuple(".:!?)。：！？）")
+_ITEM = re.compile(r"(- |• |→ |\d+\. |[a-z]\) )")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def _margin(indent: int) -> str:
+    """The style attribute that indents a block as the terminal did (none for no indent)."""
+    return f' style="margin-left:{indent}ch"' if indent else ""
+
+
+def _row(line: str) -> bool:
+    """Whether `line` is a row of a table (or of a tile picture) on its own."""
+    s = line.strip()
+    gaps = len(_GAP.findall(s))
+    return gaps >= 2 or (gaps == 1 and columns(s) <= _WIDE) or bool(_TILES.fullmatch(s))
+
+
+def _rows(lines: list[str]) -> list[bool]:
+    """Which lines are table rows: rows on their own, and the lines that belong beside them
+    (a table's header, a total under it)."""
+    alone = [bool(line.strip()) and _row(line) for line in lines]
+    near = [
+        any(0 <= k < len(lines) and alone[k] for k in (i - 1, i + 1)) for i in range(len(lines))
+    ]
+    return [a or (n and _belongs(line)) for line, a, n in zip(lines, alone, near, strict=True)]
+
+
+def _belongs(line: str) -> bool:
+    """Whether `line`, next to a table's row, is part of that table: short, indented, and not
+    an item of a list."""
+    s = line.strip()
+    return bool(s) and _indent(line) > 0 and columns(line) <= _SHORT and not _ITEM.match(s)
+
+
+def _inline(text: str) -> str:
+    """Escaped text, `code` in backquotes set as code."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+
+
+def _join(a: str, b: str) -> str:
+    """Two lines of one sentence wrapped for a terminal, joined: with a space, except between
+    two Chinese characters or next to fullwidth punctuation."""
+    x, y = a[-1:], b[:1]
+    wide = columns(x) == 2 and columns(y) == 2
+    punct = any(columns(c) == 2 and unicodedata.category(c).startswith("P") for c in (x, y))
+    return a + ("" if wide or punct else " ") + b
+
+
+def _wrapped(before: str, line: str) -> bool:
+    """Whether `line` goes on the sentence of the line `before` it, wrapped for a terminal: a
+    long line without an ending, then one at its indent that starts no item."""
+    s = before.rstrip()
+    return (
+        columns(s) >= _WRAP
+        and not s.endswith(_END)
+        and _indent(before) == _indent(line)
+        and not _ITEM.match(line.strip())
+    )
+
+
+def _paragraphs(lines: list[str]) -> list[str]:
+    """Prose lines as paragraphs, a sentence wrapped over lines joined again."""
+    out: list[tuple[int, str]] = []
+    for k, line in enumerate(lines):
+        indent, s = _indent(line), line.strip()
+        if k and _wrapped(lines[k - 1], line) and out and out[-1][0] == indent:
+            out[-1] = (indent, _join(out[-1][1], s))
+        else:
+            out.append((indent, s))
+    return [f"<p{_margin(indent)}>{_inline(s)}</p>" for indent, s in out]
+
+
+def blocks(text: str) -> str:
+    """`text` as printed in a terminal, as HTML: tables in `<pre>` boxes that scroll sideways
+    by themselves, everything else in paragraphs that wrap."""
+    lines = text.splitlines()
+    kinds = _rows(lines)
+    parts: list[str] = []
+    run: list[str] = []
+    table = False
+
+    def flush() -> None:
+        if not run:
+            return
+        if table:
+            body = "\n".join(line.rstrip() for line in run)
+            parts.append(f'<pre class="table">{html.escape(body)}</pre>')
+        else:
+            parts.extend(_paragraphs(run))
+        run.clear()
+
+    for line, is_row in zip(lines, kinds, strict=True):
+        if not line.strip():
+            flush()
+        elif is_row != table:
+            flush()
+            table = is_row
+            run.append(line)
+        else:
+            run.append(line)
+    flush()
+    return '<div class="printed">\n' + "\n".join(parts) + "\n</div>"
 
 
 def _formula(r: Report) -> None:
-    title = r.heading("formula")
+    r.heading("formula")
     w = walkthrough()
     explain_en, explain_zh = render(w, "en"), render(w, "zh")
     (r.out / "explain.txt").write_text(explain_en + "\n", encoding="utf-8")
@@ -201,37 +356,58 @@ def _formula(r: Report) -> None:
     write_formula_page(r.out / "explain.html", lang=r.lang)
     shown = explain_zh if r.lang == "zh" else explain_en
     r.echo(shown)
-    r.add(title, f"<p>{r.t('formula_intro')}</p>\n{pre(shown)}")
+    r.add("formula", f"<p>{r.t('formula_intro')}</p>\n{blocks(shown)}")
 
 
 def _backends(r: Report) -> None:
-    title = r.heading("backends")
+    r.heading("backends")
     check = backends_check(lang=r.lang)
     r.echo(check)
-    r.add(title, pre(check))
+    r.add("backends", blocks(check))
+
+
+QUESTION = ("it", "cat")  # the demo's question: where does "it" look, and is it at "cat"?
+# the same sentence whose "it" should look at "mat": does the chosen head follow the meaning?
+CONTRAST = ("The cat sat on the mat because it was dirty", "mat")
 
 
 def _attend(r: Report) -> None:
-    title = r.heading("attend")
+    r.heading("attend")
     amap = model_attention(EXAMPLE)  # all-MiniLM-L6-v2, loaded once per process
-    answer = summary(amap, "it", lang=r.lang)
+    word, target = QUESTION
+    contrast_text, contrast_target = CONTRAST
+    contrast = model_attention(contrast_text)
+    question = question_lines(
+        amap, word, target, contrast=contrast, contrast_target=contrast_target, lang=r.lang
+    )
+    answer = "\n".join(question) + "\n\n" + summary(amap, word, lang=r.lang)
     r.echo(answer)
     attention_grid(amap, r.out / "attention-grid.png")
-    token_heads(amap, "it", r.out / "attention-it.png")
-    write_viewer(amap, r.out / "viewer.html", lang=r.lang)
+    token_heads(amap, word, r.out / "attention-it.png")
+    best = specific_head(amap, word, target)
+    write_viewer(
+        amap, r.out / "viewer.html", lang=r.lang, word=word, layer=best.layer, head=best.head
+    )
     (r.out / "attention.json").write_text(json.dumps(amap.to_dict()), encoding="utf-8")
-    intro = r.t("attend_intro", text=html.escape(EXAMPLE))
+    intro = r.t(
+        "attend_intro",
+        text=html.escape(EXAMPLE),
+        layer=best.layer,
+        head=best.head,
+        weight=best.weight,
+        others=best.others,
+    )
     r.add(
-        title,
+        "attend",
         f"""<p>{intro}</p>
-{pre(answer)}
+{blocks(answer)}
 <p><img src="attention-it.png" alt="{r.t("attend_alt_it")}"></p>
 <p><img src="attention-grid.png" alt="{r.t("attend_alt_grid")}"></p>""",
     )
 
 
 def _cost(r: Report) -> None:
-    title = r.heading("cost")
+    r.heading("cost")
     records: list[dict] = []
     complete = False
     try:
@@ -248,20 +424,31 @@ def _cost(r: Report) -> None:
             (r.out / "bench.json").write_text(json.dumps(doc, indent=1))
             note = "" if complete else f" <b>{r.t('cost_interrupted')}</b>"
             r.add(
-                title,
+                "cost",
                 f"""<p>{r.t("cost_intro")}{note}</p>
-{pre(cost_table)}
+{blocks(cost_table)}
 <p><img src="cost.png" alt="{r.t("cost_alt")}"></p>""",
             )
 
 
-def _text_section(key: str, make: Callable[[Report], str]):
+def _flash(r: Report) -> None:
+    """FlashAttention step by step: the walk `qkv explain --flash` prints, and `flash.html`."""
+    r.heading("flash")
+    walk = render_walk(lang=r.lang)
+    r.echo(walk)
+    write_flash_page(r.out / "flash.html", lang=r.lang)
+    r.add("flash", f"<p>{r.t('flash_intro')}</p>\n{blocks(walk)}")
+
+
+def _text_section(key: str, make: Callable[[Report], str]) -> Callable[[Report], None]:
+    """A section that is one printed text (and the intro `{key}_intro`, if there is one)."""
+
     def section(r: Report) -> None:
-        title = r.heading(key)
+        r.heading(key)
         text = make(r)
         r.echo(text)
         intro = TEXT[r.lang].get(f"{key}_intro")
-        r.add(title, (f"<p>{intro}</p>\n" if intro else "") + pre(text))
+        r.add(key, (f"<p>{intro}</p>\n" if intro else "") + blocks(text))
 
     return section
 
@@ -277,7 +464,7 @@ def _lab(name: str) -> Callable[[Report], None]:
     """The demo section of one lab: its answer, figure and JSON."""
 
     def section(r: Report) -> None:
-        title = r.heading(f"lab_{name}")
+        r.heading(f"lab_{name}")
         lab = importlib.import_module(f"qkv.labs.{name}")
         doc = lab.run(lab.FULL if r.labs == "full" else lab.QUICK, progress=r.progress)
         answer = lab.summary(doc, r.lang)
@@ -287,9 +474,9 @@ def _lab(name: str) -> Callable[[Report], None]:
         flag = " --full" if r.labs == "full" else ""
         intro = r.t("lab_intro", command=f"qkv lab {name}{flag}", json=f"lab-{name}.json")
         r.add(
-            title,
+            f"lab_{name}",
             f"""<p>{intro}</p>
-{pre(answer)}
+{blocks(answer)}
 <p><img src="lab-{name}.png" alt="qkv lab {name}"></p>""",
         )
 
@@ -301,6 +488,7 @@ SECTIONS: list[Callable[[Report], None]] = [
     _backends,
     _attend,
     _cost,
+    _flash,
     _long_context,
     _visual_tokens,
     *(_lab(name) for name in LABS),
@@ -336,16 +524,56 @@ def run(
             section(report)
     except KeyboardInterrupt:
         took = time.perf_counter() - started
-        index.write_text(_page(report, took, interrupted=True), encoding="utf-8")
-        echo(f"\nqkv demo interrupted after {took:.0f} s; what was finished: {index.resolve()}")
+        index.write_text(page(report, took, interrupted=True), encoding="utf-8")
+        echo("\n" + report.t("interrupted", took=took, index=index.resolve()))
         raise
     took = time.perf_counter() - started
-    index.write_text(_page(report, took), encoding="utf-8")
-    echo(f"\nqkv demo finished in {took:.0f} s; open {index.resolve()}")
+    index.write_text(page(report, took), encoding="utf-8")
+    echo("\n" + report.t("finished", took=took, index=index.resolve()))
     return index
 
 
-def _page(r: Report, took: float, interrupted: bool = False) -> str:
+# The report's look: a column to read, a table of contents (beside it on a wide screen), the
+# terminal's tables in boxes that scroll sideways by themselves, pictures no wider than the page.
+STYLE = """
+body { font: 16px/1.55 system-ui, sans-serif; color: #222; max-width: 1180px; margin: 0 auto;
+       padding: 20px 24px 80px; }
+h1 { font-size: 28px; margin: 8px 0; }
+h2 { font-size: 21px; margin: 0 0 8px; padding-bottom: 4px; border-bottom: 1px solid #ddd; }
+section { margin-top: 36px; scroll-margin-top: 12px; }
+p { margin: 6px 0; max-width: 88ch; overflow-wrap: break-word; }
+code { font: 0.92em ui-monospace, monospace; background: #f1f1f1; padding: 0 3px; }
+.printed { border-left: 3px solid #cbd7e6; padding-left: 12px; margin: 10px 0; }
+.printed p { font-size: 15px; margin: 3px 0; }
+pre.table { font: 13px/1.4 ui-monospace, monospace; background: #f6f6f6; padding: 8px 10px;
+            margin: 8px 0; overflow-x: auto; border-radius: 4px; width: fit-content;
+            max-width: 100%; box-sizing: border-box; }
+img { max-width: 100%; height: auto; }
+nav.toc { background: #f7f7f9; border: 1px solid #e3e3e8; border-radius: 6px;
+          padding: 8px 16px; margin: 16px 0; }
+nav.toc ol { margin: 4px 0; padding-left: 0; list-style: none; columns: 2 300px; }
+nav.toc li { margin: 2px 0; break-inside: avoid; }
+nav.toc a { text-decoration: none; }
+nav.toc a:hover { text-decoration: underline; }
+@media (min-width: 1700px) {
+  nav.toc { position: fixed; top: 20px; left: 16px; width: calc((100vw - 1180px) / 2 - 56px);
+            max-height: calc(100vh - 40px); overflow-y: auto; margin: 0; }
+  nav.toc ol { columns: 1; }
+}
+"""
+
+
+def _toc(r: Report) -> str:
+    """The table of contents: a link to each section's anchor."""
+    items = "\n".join(
+        f'<li><a href="#{s.anchor}">{n}. {html.escape(s.title)}</a></li>'
+        for n, s in enumerate(r.sections, 1)
+    )
+    return f'<nav class="toc"><b>{r.t("contents")}</b>\n<ol>\n{items}\n</ol></nav>'
+
+
+def page(r: Report, took: float, interrupted: bool = False) -> str:
+    """The report's `index.html`: its intro, a table of contents and each finished section."""
     state = r.t("state_interrupted" if interrupted else "state_done")
     intro = r.t(
         "page_intro",
@@ -355,14 +583,19 @@ def _page(r: Report, took: float, interrupted: bool = False) -> str:
         torch=html.escape(torch.__version__),
         threads=torch.get_num_threads(),
     )
-    body = "\n".join(r.sections)
+    body = "\n".join(
+        f'<section id="{s.anchor}">\n<h2>{n}. {html.escape(s.title)}</h2>\n{s.body}\n</section>'
+        for n, s in enumerate(r.sections, 1)
+    )
     return f"""<!DOCTYPE html>
-<html lang="{r.lang}"><head><meta charset="utf-8"><title>{r.t("page_title")}</title>
-<style>body{{font:15px/1.5 system-ui,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px}}
-pre{{background:#f6f6f6;padding:10px;overflow-x:auto;font-size:12.5px}}img{{max-width:100%}}</style>
+<html lang="{r.lang}"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{r.t("page_title")}</title>
+<style>{STYLE}</style>
 </head><body>
 <h1>{r.t("page_title")}</h1>
 <p>{intro}</p>
+{_toc(r)}
 {body}
 </body></html>
 """

@@ -2,9 +2,10 @@
 
 The chapter's example (N = 4 tokens of width d = 8, projected to d_k = 4) as heatmaps of X, the
 projections W^Q, W^K, W^V, Q, K, V, S = QKᵀ, S·scale, A = softmax and Out = AV, each value on
-hover. Click a score S[i, j] to see q_i · k_j term by term. A slider moves the scale from none
-(1) to 1/√d_k and shows the softmax saturate without it; a d_k selector, a causal switch,
-re-roll, and English or Chinese.
+hover. Click a score S[i, j] to see q_i · k_j term by term. A slider, its ends labelled, moves
+the scale from none (1) to 1/√d_k and shows the softmax saturate without it; a d_k selector, a
+causal switch, re-roll, and English or Chinese. A matrix wider than the window (d_k = 64 on a
+laptop) scrolls sideways inside its own box, and its caption says so.
 
 The page computes in JavaScript's float64 from the X and W that `qkv.inspect.explain.walkthrough`
 draws for each (seed, d_k), embedded for `ROLLS` seeds from the one asked for (re-roll steps

@@ -7,7 +7,10 @@ or clicking a word shows where it looks as links whose width and opacity follow 
 a cell's weight read out under the pointer; *all heads*, every head of the layer drawn at once
 in its own colour (bertviz's head view), with a chip per head that hides or shows it. The
 chosen word's ten strongest weights are listed, and an overview shows every head's matrix and
-each layer's rollout; clicking one selects it. Long inputs draw only each word's top-k links (5
+each layer's rollout; clicking one selects it. The page can open on a question: a word already
+selected, at a chosen layer and head (`qkv attend --word it` and the demo open it on the head
+they answer with); layers, heads and words are numbered from 0, as `qkv attend` prints them.
+Long inputs draw only each word's top-k links (5
 by default above 40 words) and thin out the heatmap's labels, so the page stays responsive.
 
 Weights are embedded as 16-bit fixed point (weight · 65535, base64): error ≤ 8·10⁻⁶, well below
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .attend import AttentionMap, unknown_note
+from .attend import AttendError, AttentionMap, unknown_note
 
 PLACEHOLDER = "/*QKV_DATA*/"
 
@@ -40,10 +43,35 @@ def _note(amap: AttentionMap, lang: str) -> str:
     return " ".join(line.strip() for line in lines).removeprefix("note: ").removeprefix("注意：")
 
 
-def viewer_html(amap: AttentionMap, lang: str = "en") -> str:
+def opening(
+    amap: AttentionMap,
+    word: str | int | None = None,
+    layer: int | None = None,
+    head: int | None = None,
+) -> dict[str, int | None]:
+    """Where the page opens: the selected word's position (None: no word), the layer and the
+    head, all from 0 (layer 0 and head 0 when not given). `word` is a word of the text (as
+    `AttentionMap.index` finds it) or a position."""
+    amap.check(layer, head)
+    if isinstance(word, int) and not 0 <= word < len(amap.words):
+        raise AttendError(
+            f"word {word} is out of range; the text has words 0..{len(amap.words) - 1}"
+        )
+    i = amap.index(word) if isinstance(word, str) else word
+    return {"word": i, "layer": layer or 0, "head": head or 0}
+
+
+def viewer_html(
+    amap: AttentionMap,
+    lang: str = "en",
+    word: str | int | None = None,
+    layer: int | None = None,
+    head: int | None = None,
+) -> str:
     """The viewer page for `amap` as one HTML string: weights `(L, H, W, W)` and the attention
     rollout through each layer `(L, W, W)` embedded; its words in English (`en`) or Chinese
-    (`zh`), switchable on the page."""
+    (`zh`), switchable on the page. It opens on `word` selected (a word or its position; none
+    by default) at `layer` and `head` (0 and 0 by default), see `opening`."""
     if lang not in ("en", "zh"):
         raise ValueError(f"lang must be en or zh, got {lang!r}")
     data = {
@@ -56,6 +84,7 @@ def viewer_html(amap: AttentionMap, lang: str = "en") -> str:
         "rollout_u16": _u16(amap.rollout()),
         "note": {"en": _note(amap, "en"), "zh": _note(amap, "zh")},
         "lang": lang,
+        "open": opening(amap, word, layer, head),
     }
     template = resources.files("qkv.inspect").joinpath("viewer.html").read_text(encoding="utf-8")
     return template.replace(PLACEHOLDER, script_json(data))
@@ -76,8 +105,16 @@ def script_json(data: object) -> str:
     return text
 
 
-def write_viewer(amap: AttentionMap, path: str | Path, lang: str = "en") -> Path:
-    """Write the viewer page to `path` and return it."""
+def write_viewer(
+    amap: AttentionMap,
+    path: str | Path,
+    lang: str = "en",
+    word: str | int | None = None,
+    layer: int | None = None,
+    head: int | None = None,
+) -> Path:
+    """Write the viewer page to `path` and return it (opening on `word`, `layer`, `head`: see
+    `viewer_html`)."""
     path = Path(path)
-    path.write_text(viewer_html(amap, lang), encoding="utf-8")
+    path.write_text(viewer_html(amap, lang, word, layer, head), encoding="utf-8")
     return path
