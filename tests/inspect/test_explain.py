@@ -68,3 +68,12 @@ def test_the_text_does_not_claim_saturation_where_the_numbers_do_not_show_it():
     assert p.share(p.raw) >= SATURATED
     text = render(w)
     assert "saturates" not in text and "changes little" in text
+
+
+def test_in_a_notebook_the_walkthrough_shows_every_step_with_its_numbers():
+    w = walkthrough(d_k=64, seed=1)
+    page = w._repr_html_()
+    for step in ("X", "Q = X W^Q", "S / √d_k", "A = softmax(S / √d_k)", "Out = A V"):
+        assert f"<b>{step}</b>" in page
+    assert f"{w.A[0, 0].item():.2f}</td>" in page and "(4, 64)" in page
+    assert "the softmax saturates" in page  # the lesson, as the text says it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import math
 from dataclasses import dataclass
 
@@ -104,6 +105,32 @@ class Walkthrough:
     Out: torch.Tensor  # (N, d_k) A V
     causal: bool
     seed: int
+
+    def _repr_html_(self) -> str:
+        """In a notebook: every step as a heatmap table with its shape and meaning."""
+        from .notebook import matrix_table
+
+        t = TEXT["en"]
+        d_k = self.Q.shape[1]
+        steps = (
+            ("X", self.X, t["X"], False),
+            ("W^Q", self.W_q, t["W"], False),
+            ("Q = X W^Q", self.Q, t["Q"], False),
+            ("K = X W^K", self.K, t["K"], False),
+            ("V = X W^V", self.V, t["V"], False),
+            ("S = Q Kᵀ", self.S, t["S"], False),
+            ("S / √d_k", self.S_scaled, t["S_scaled"].format(inv=d_k**-0.5), False),
+            ("A = softmax(S / √d_k)", self.A, t["A"], True),
+            ("Out = A V", self.Out, t["Out"], False),
+        )
+        n, d = self.X.shape
+        title = t["title"].format(
+            n=n, d=d, dk=d_k, seed=self.seed, causal=t["causal"] if self.causal else ""
+        )
+        tables = [matrix_table(m, name, meaning, prob) for name, m, meaning, prob in steps]
+        lesson = "".join(f"<p>{html.escape(line.strip())}</p>" for line in _peak_lines(self, t))
+        tables.insert(-1, lesson)  # after A, the √d_k lesson on these numbers
+        return f"<div><p>{html.escape(title)}</p>{''.join(tables)}</div>"
 
 
 def walkthrough(
