@@ -119,6 +119,31 @@ class AttentionMap:
 
         return rollout(self.weights)
 
+    def position(self, word: str | int) -> int:
+        """A word's position: `index` for a word of the text, or a position checked against
+        the text's length."""
+        if isinstance(word, str):
+            return self.index(word)
+        if not 0 <= word < len(self.words):
+            raise AttendError(
+                f"word {word} is out of range; the text has words 0..{len(self.words) - 1}"
+            )
+        return word
+
+    def note(self, lang: str = "en") -> str:
+        """`unknown_note` as one sentence without its "note:" ("" when every word was read)."""
+        lines = unknown_note(self, lang)
+        joined = " ".join(line.strip() for line in lines)
+        return joined.removeprefix("note: ").removeprefix("注意：")
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the interactive viewer, inline (one self-contained page in an
+        iframe, no network)."""
+        from .notebook import iframe
+        from .viewer import viewer_html
+
+        return iframe(viewer_html(self), height=820)
+
     def unknown(self) -> list[int]:
         """Positions of the words the model could not read (its `[UNK]` token)."""
         return [i for i, w in enumerate(self.words) if w.startswith(UNKNOWN)]

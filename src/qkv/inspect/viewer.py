@@ -23,10 +23,30 @@ import base64
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from .attend import AttendError, AttentionMap, unknown_note
+
+class AttentionMap(Protocol):
+    """What the viewer reads of a `qkv.inspect.AttentionMap` (not imported: the map's notebook
+    display imports this module)."""
+
+    words: list[str]
+    weights: torch.Tensor  # (L, H, W, W)
+    text: str
+    model: str
+    layers: int
+    heads: int
+
+    def check(self, layer: int | None = None, head: int | None = None) -> None: ...
+
+    def position(self, word: str | int) -> int: ...
+
+    def note(self, lang: str = "en") -> str: ...
+
+    def rollout(self) -> torch.Tensor: ...
+
 
 PLACEHOLDER = "/*QKV_DATA*/"
 
@@ -36,11 +56,6 @@ def _u16(t: torch.Tensor) -> str:
     q = (t.clamp(0, 1) * 65535).round().to(torch.int32).flatten()
     little_endian = torch.stack([q & 0xFF, q >> 8], dim=1).flatten().to(torch.uint8)
     return base64.b64encode(bytes(little_endian.tolist())).decode()
-
-
-def _note(amap: AttentionMap, lang: str) -> str:
-    lines = unknown_note(amap, lang)
-    return " ".join(line.strip() for line in lines).removeprefix("note: ").removeprefix("注意：")
 
 
 def opening(
@@ -53,11 +68,7 @@ def opening(
     head, all from 0 (layer 0 and head 0 when not given). `word` is a word of the text (as
     `AttentionMap.index` finds it) or a position."""
     amap.check(layer, head)
-    if isinstance(word, int) and not 0 <= word < len(amap.words):
-        raise AttendError(
-            f"word {word} is out of range; the text has words 0..{len(amap.words) - 1}"
-        )
-    i = amap.index(word) if isinstance(word, str) else word
+    i = None if word is None else amap.position(word)
     return {"word": i, "layer": layer or 0, "head": head or 0}
 
 
@@ -82,7 +93,7 @@ def viewer_html(
         "heads": amap.heads,
         "weights_u16": _u16(amap.weights),
         "rollout_u16": _u16(amap.rollout()),
-        "note": {"en": _note(amap, "en"), "zh": _note(amap, "zh")},
+        "note": {"en": amap.note("en"), "zh": amap.note("zh")},
         "lang": lang,
         "open": opening(amap, word, layer, head),
     }
