@@ -151,6 +151,9 @@ def check_stepping(s: Session) -> None:
                 assert alpha == [None] * (r1 - r0), (view, k, alpha)
             else:
                 _close(alpha, step.alpha, f"{view} step {k}: alpha")
+            # the caption speaks of a rescale exactly where a row had something to shrink
+            rescaled = step.alpha is not None and any(0 < float(a) < 1 for a in step.alpha)
+            assert ("max grew" in page.inner_text("#caption")) == rescaled, (view, k, step.alpha)
         # At the end every row's online m, l and O are the textbook's.
         causal, mask, _ = view_masks(8)[view]
         w = walkthrough(n=8)
