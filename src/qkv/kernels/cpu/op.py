@@ -14,6 +14,7 @@ graph).
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -60,6 +61,22 @@ def _seed(seed: torch.Tensor | None) -> int:
     return 0 if seed is None else int(seed)
 
 
+INTERRUPTED = "qkv_cpu: interrupted by SIGINT"  # csrc/interrupt.h's message
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C during a kernel call: the kernel stops handing out items, hands SIGINT back to the
+    process's handler (Python's raises KeyboardInterrupt at the next line of Python) and fails
+    with INTERRUPTED; that failure is KeyboardInterrupt here, should the handler not raise."""
+    try:
+        yield
+    except RuntimeError as e:
+        if INTERRUPTED not in str(e):
+            raise
+        raise KeyboardInterrupt from None
+
+
 def forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,10 +99,11 @@ def forward_impl(
     backward needs. `precise_scores`: float32 scores in float chains summed in double (else one
     float sum)."""
     L = _layout(q, k, mask, causal, rule, held, block_q)
-    out, m, l, lse = load().forward(
-        q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.q_starts, L.k_starts, L.block_q, scale,
-        slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
-    )  # fmt: skip
+    with _interruptible():
+        out, m, l, lse = load().forward(
+            q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.q_starts, L.k_starts, L.block_q,
+            scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
+        )  # fmt: skip
     return out, lse, m, l
 
 
@@ -128,11 +146,12 @@ def backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dq, dk, dv)` of `cpu_forward`'s out and lse."""
     L = _layout(q, k, mask, causal, rule, held, block_q)
-    dq, dk, dv = load().backward(
-        dout, dlse, q, k, v, out, m, l, L.row_ptr, L.col_idx, L.code, L.col_ptr, L.row_idx,
-        L.code_t, L.bits, L.q_starts, L.k_starts, L.block_q,
-        scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
-    )  # fmt: skip
+    with _interruptible():
+        dq, dk, dv = load().backward(
+            dout, dlse, q, k, v, out, m, l, L.row_ptr, L.col_idx, L.code, L.col_ptr, L.row_idx,
+            L.code_t, L.bits, L.q_starts, L.k_starts, L.block_q,
+            scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
+        )  # fmt: skip
     return _poisoned_by_queries(q, k, out, dq, dk, dv)
 
 

@@ -29,6 +29,7 @@
 #include <unistd.h>
 #endif
 
+#include "interrupt.h"
 #include "placement.h"
 #include "problem.h"
 
@@ -278,10 +279,12 @@ void run_parallel(int64_t macs, int64_t n_items, const Work& work) {
   ItemQueue queue;
   if (nt == 1 || macs < INLINE_BELOW) {
     queue_init(queue, n_items, 1);
+    queue.stop = &g_interrupted;
     work(&queue);
     return;
   }
   queue_init(queue, n_items, nt);
+  queue.stop = &g_interrupted;
   Placement place(macs >= PIN_FROM ? nt : 0);
   at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     Placement::Pin pin(place);
@@ -655,8 +658,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
     S.plan.kmaxv = S.kmaxv.data();
   }
   int32_t error = 0;
+  InterruptScope interrupt;
   run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]), S.plan.n_items,
                [&](ItemQueue* items) { K.forward(P, S.plan, items, &error); });
+  interrupt.finish();
   if (error) throw std::bad_alloc();
   return {out, m, l, lse};
 }
@@ -728,10 +733,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   P.delta = delta.data_ptr<double>();
   at::Tensor peaked = at::empty({P.B * P.Hkv * P.lay.nqb}, opts.dtype(at::kByte));
   P.peaked = peaked.data_ptr<uint8_t>();
+  InterruptScope interrupt;
   {
     int32_t error = 0;
     run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]), P.B * P.Hkv * P.lay.nqb,
                  [&](ItemQueue* items) { K.delta(P, items, &error); });
+    interrupt.finish();
     if (error) throw std::bad_alloc();
   }
   BwdState S;
@@ -739,6 +746,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   int32_t error = 0;
   run_parallel(5 * call_macs(P, P.lay.col_ptr[P.lay.nkb]) / 2, S.plan.n_items,
                [&](ItemQueue* items) { K.backward(P, S.plan, items, &error); });
+  interrupt.finish();
   if (error) throw std::bad_alloc();
   return {dq, dk, dv};
 }

@@ -184,11 +184,13 @@ struct ItemQueue {
   int64_t lo[QUEUE_RANGES], hi[QUEUE_RANGES];  // range r: items lo … hi − 1, under lock[r]
   int32_t lock[QUEUE_RANGES];
   int32_t ranges, joined;
+  const int32_t* stop;  // when set and nonzero, no more items are handed out (interrupt.h)
 };
 
 static inline void queue_init(ItemQueue& q, int64_t n, int64_t workers) {
   q.ranges = (int32_t)(workers < 1 ? 1 : workers > QUEUE_RANGES ? QUEUE_RANGES : workers);
   q.joined = 0;
+  q.stop = nullptr;
   for (int r = 0; r < q.ranges; ++r) {
     q.lo[r] = n * r / q.ranges;
     q.hi[r] = n * (r + 1) / q.ranges;
@@ -210,6 +212,7 @@ static inline void range_unlock(int32_t* l) { __atomic_store_n(l, 0, __ATOMIC_RE
 static inline int64_t queue_take(ItemQueue& q, int me) {
   const int own = me < q.ranges ? me : -1;
   for (;;) {
+    if (q.stop && __atomic_load_n(q.stop, __ATOMIC_RELAXED)) return -1;  // Ctrl-C: stop here
     if (own >= 0) {
       range_lock(&q.lock[own]);
       const int64_t k = q.lo[own];
