@@ -52,6 +52,7 @@ SOURCES = (
     "isa_portable.cpp",
 )
 HEADERS = (
+    "interrupt.h",
     "placement.h",
     "problem.h",
     "results.h",
