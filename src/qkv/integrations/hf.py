@@ -250,11 +250,21 @@ def make_mask(
             )
         return mu.eager_mask(**call.arguments(), **kwargs)
     result = _translate(call, mu, allow_is_causal_skip, allow_is_bidirectional_skip)
+    if isinstance(result, Mask) and not allow_is_causal_skip and _adds_to_mask(config):
+        # An ALiBi model (Falcon) adds its position bias onto the mask it asked to have
+        # materialised, then hands the float sum to the attention function: a dense mask.
+        return call.dense(mu)
     if isinstance(result, Mask) and _prebuilt_for_generate():
         # generate() hands this mask back to the model as its `attention_mask` input, which
         # transformers reads as a tensor: the same mask, dense.
         return call.dense(mu)
     return result
+
+
+def _adds_to_mask(config: object) -> bool:
+    """Does the model add a bias of its own onto the mask (ALiBi: Falcon with `alibi=True`)?
+    Such a model asks for the mask materialised and reads it as a tensor."""
+    return bool(getattr(config, "alibi", False))
 
 
 def _routes(config_class: type) -> bool | None:
