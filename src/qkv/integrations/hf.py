@@ -104,7 +104,10 @@ loading). Tested against "eager" on tiny random configs (tests/integrations/test
     it reads under "eager" and a RuntimeWarning on its first forward; `set_attn_implementation
     ("qkv")` is refused by transformers with a log line and the model stays "eager".
 [3] Falcon picks its attention class by name: building it with "qkv" raises transformers'
-    `KeyError: 'qkv'` before any qkv code runs.
+    `KeyError: 'qkv'` before any qkv code runs (in older transformers). Forced afterwards
+    (`model.config._attn_implementation = "qkv"`), it runs on qkv, ALiBi included: an ALiBi
+    model adds its bias onto the mask it asks to have materialised, so `make_mask` gives it
+    the dense mask.
 """
 
 from __future__ import annotations
