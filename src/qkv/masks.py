@@ -21,6 +21,7 @@ under composition: an uncertain tile is partial and its rule is applied element-
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -67,7 +68,7 @@ class Mask:
             raise TypeError("Mask needs exactly one of fn(b, h, q, kv) or rule")
         if fn is not None and not callable(fn):
             raise TypeError(f"fn must be callable as fn(b, h, q, kv), got {type(fn).__name__}")
-        self._rule: Rule = rule if rule is not None else (lambda b, h, q, kv, n: fn(b, h, q, kv))
+        self._rule: Rule = rule if rule is not None else _FnRule(fn)
         self._bounds = bounds
         self._ranges = ranges
         self.name = name
@@ -90,16 +91,10 @@ class Mask:
 
     def __invert__(self) -> Mask:
         a = self
-        bounds = None
-        if a._bounds is not None:
-
-            def bounds(*args):
-                maybe_any, surely_all = a._bounds(*args)
-                return ~surely_all, ~maybe_any
-
+        inverted = _Not(a)
         return Mask(
-            rule=lambda b, h, q, kv, n: ~a._rule(b, h, q, kv, n),
-            bounds=bounds,
+            rule=inverted.rule,
+            bounds=inverted.bounds if a._bounds is not None else None,
             name=f"~{_paren(a)}",
             batch=a.batch,
             heads=a.heads,
@@ -162,30 +157,11 @@ class Mask:
         """This mask (written for the whole problem: `n_total` keys, all its heads) seen from
         a square block whose queries start at position `q_start` and keys at `k_start`,
         holding heads `head_start …` (`heads` of them): what a sequence-parallel rank runs."""
-        rule, bounds, ranges = self._rule, self._bounds, self._ranges
-
-        def shifted_rule(b, h, q, kv, n):
-            return rule(b, h + head_start, q + q_start, kv + k_start, n_total)
-
-        shifted_bounds = shifted_ranges = None
-        if bounds is not None:
-
-            def shifted_bounds(b, h, ql, qh, kl, kh, n):
-                hh = h + head_start
-                return bounds(
-                    b, hh, ql + q_start, qh + q_start, kl + k_start, kh + k_start, n_total
-                )
-
-        if ranges is not None:
-
-            def shifted_ranges(ql, qh, n):
-                got = ranges(ql + q_start, qh + q_start, n_total)
-                return None if got is None else (got[0] - k_start, got[1] - k_start)
-
+        view = _Shifted(self, q_start, k_start, n_total, head_start)
         return Mask(
-            rule=shifted_rule,
-            bounds=shifted_bounds,
-            ranges=shifted_ranges,
+            rule=view.rule,
+            bounds=view.bounds if self._bounds is not None else None,
+            ranges=view.ranges if self._ranges is not None else None,
             name=f"{self!r} @ (q+{q_start}, k+{k_start}, h+{head_start})",
             batch=self.batch,
             heads=heads if self.heads is not None else None,
@@ -285,38 +261,78 @@ def _combine(a: Mask, c: Mask, op: str) -> Mask:
         x, y = getattr(a, attr), getattr(c, attr)
         if x is not None and y is not None and x != y:
             raise ValueError(f"cannot combine {a!r} ({attr}={x}) with {c!r} ({attr}={y})")
-    if op == "&":
+    both = _Combined(a, c, op)
+    return Mask(
+        rule=both.rule,
+        bounds=both.bounds if a._bounds is not None and c._bounds is not None else None,
+        ranges=both.ranges,
+        exact_ranges=a.exact_ranges and c.exact_ranges,
+        name=f"{_paren(a)} {op} {_paren(c)}",
+        batch=a.batch if a.batch is not None else c.batch,
+        heads=a.heads if a.heads is not None else c.heads,
+        check=both.check,
+    )
 
-        def rule(b, h, q, kv, n):
-            return a._rule(b, h, q, kv, n) & c._rule(b, h, q, kv, n)
 
-        def combine_bounds(x, y):
+# ---------------------------------------------------------------------------------------------
+# Rules as objects: every rule, bound, range and check a Mask holds is a method of one of these
+# module-level classes (never a closure), so that a Mask pickles (spawn workers, object
+# collectives, torch.save) by value. They are private: build masks with the functions below.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _FnRule:
+    """`Mask(fn)`: a user's `fn(b, h, q, kv)` as a rule (it pickles if `fn` does)."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __call__(self, b, h, q, kv, n):
+        return self.fn(b, h, q, kv)
+
+
+@dataclass(frozen=True, eq=False)
+class _Not:
+    """`~a`."""
+
+    a: Mask
+
+    def rule(self, b, h, q, kv, n):
+        return ~self.a._rule(b, h, q, kv, n)
+
+    def bounds(self, *args):
+        maybe_any, surely_all = self.a._bounds(*args)
+        return ~surely_all, ~maybe_any
+
+
+@dataclass(frozen=True, eq=False)
+class _Combined:
+    """`a & c` or `a | c` (`op`)."""
+
+    a: Mask
+    c: Mask
+    op: str
+
+    def rule(self, b, h, q, kv, n):
+        x, y = self.a._rule(b, h, q, kv, n), self.c._rule(b, h, q, kv, n)
+        return x & y if self.op == "&" else x | y
+
+    def bounds(self, *args):
+        x, y = self.a._bounds(*args), self.c._bounds(*args)
+        if self.op == "&":
             # any(a & c) ≤ any(a) & any(c) (an upper bound); all(a & c) = all(a) & all(c).
             return x[0] & y[0], x[1] & y[1]
+        # any(a | c) = any(a) | any(c); all(a | c) ≥ all(a) | all(c) (a lower bound).
+        return x[0] | y[0], x[1] | y[1]
 
-    else:
-
-        def rule(b, h, q, kv, n):
-            return a._rule(b, h, q, kv, n) | c._rule(b, h, q, kv, n)
-
-        def combine_bounds(x, y):
-            # any(a | c) = any(a) | any(c); all(a | c) ≥ all(a) | all(c) (a lower bound).
-            return x[0] | y[0], x[1] | y[1]
-
-    bounds = None
-    if a._bounds is not None and c._bounds is not None:
-
-        def bounds(*args):
-            return combine_bounds(a._bounds(*args), c._bounds(*args))
-
-    def check(nq, nk):
-        for m in (a, c):
+    def check(self, nq, nk):
+        for m in (self.a, self.c):
             if m._check is not None:
                 m._check(nq, nk)
 
-    def ranges(ql, qh, n):
-        ra, rc = a.key_ranges(ql, qh, n), c.key_ranges(ql, qh, n)
-        if op == "|":  # reach(a | c) = reach(a) ∪ reach(c): unbounded if either is
+    def ranges(self, ql, qh, n):
+        ra, rc = self.a.key_ranges(ql, qh, n), self.c.key_ranges(ql, qh, n)
+        if self.op == "|":  # reach(a | c) = reach(a) ∪ reach(c): unbounded if either is
             return None if ra is None or rc is None else (torch.cat([ra[0], rc[0]]),
                                                           torch.cat([ra[1], rc[1]]))  # fmt: skip
         if ra is None or rc is None:  # reach(a & c) ⊆ reach(a) ∩ reach(c)
@@ -325,16 +341,30 @@ def _combine(a: Mask, c: Mask, op: str) -> Mask:
         hi = torch.minimum(ra[1][:, None], rc[1][None]).reshape(-1, ql.numel())
         return lo, hi
 
-    return Mask(
-        rule=rule,
-        bounds=bounds,
-        ranges=ranges,
-        exact_ranges=a.exact_ranges and c.exact_ranges,
-        name=f"{_paren(a)} {op} {_paren(c)}",
-        batch=a.batch if a.batch is not None else c.batch,
-        heads=a.heads if a.heads is not None else c.heads,
-        check=check,
-    )
+
+@dataclass(frozen=True, eq=False)
+class _Shifted:
+    """`base.shifted(q_start, k_start, n_total, head_start)`."""
+
+    base: Mask
+    q_start: int
+    k_start: int
+    n_total: int
+    head_start: int
+
+    def rule(self, b, h, q, kv, n):
+        return self.base._rule(
+            b, h + self.head_start, q + self.q_start, kv + self.k_start, self.n_total
+        )
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        hh = h + self.head_start
+        qs, ks = self.q_start, self.k_start
+        return self.base._bounds(b, hh, ql + qs, qh + qs, kl + ks, kh + ks, self.n_total)
+
+    def ranges(self, ql, qh, n):
+        got = self.base._ranges(ql + self.q_start, qh + self.q_start, self.n_total)
+        return None if got is None else (got[0] - self.k_start, got[1] - self.k_start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,15 +415,51 @@ def _queries_within_keys(name: str, nq: int, nk: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Causal:
+    """`causal()`: key ≤ query."""
+
+    def rule(self, b, h, q, kv, n):
+        return kv <= q
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        return kl <= qh, kh <= ql
+
+    def ranges(self, ql, qh, n):
+        return _span(0, qh, ql)
+
+
 def causal() -> Mask:
     """Key position ≤ query position (bottom-right aligned, like `causal=True`)."""
+    rule = _Causal()
     return Mask(
-        rule=lambda b, h, q, kv, n: kv <= q,
-        bounds=lambda b, h, ql, qh, kl, kh, n: (kl <= qh, kh <= ql),
-        ranges=lambda ql, qh, n: _span(0, qh, ql),
+        rule=rule.rule,
+        bounds=rule.bounds,
+        ranges=rule.ranges,
         exact_ranges=True,
         name="causal()",
     )
+
+
+@dataclass(frozen=True)
+class _Window:
+    """`sliding_window(left, right)`: q − left ≤ kv ≤ q + right."""
+
+    left: int
+    right: int
+
+    def rule(self, b, h, q, kv, n):
+        return (kv >= q - self.left) & (kv <= q + self.right)
+
+    def ranges(self, ql, qh, n):
+        return _span(ql - self.left, qh + self.right, ql)
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        left, right = self.left, self.right
+        return (
+            (kl <= qh + right) & (kh >= ql - left),
+            (kl >= qh - left) & (kh <= ql + right),
+        )
 
 
 def sliding_window(left: int, right: int | None = None) -> Mask:
@@ -401,27 +467,40 @@ def sliding_window(left: int, right: int | None = None) -> Mask:
     `right=0` is a causal local window)."""
     left = _int("left", left, 0)
     right = left if right is None else _int("right", right, 0)
+    rule = _Window(left, right)
     return Mask(
-        rule=lambda b, h, q, kv, n: (kv >= q - left) & (kv <= q + right),
-        ranges=lambda ql, qh, n: _span(ql - left, qh + right, ql),
+        rule=rule.rule,
+        ranges=rule.ranges,
         exact_ranges=True,
-        bounds=lambda b, h, ql, qh, kl, kh, n: (
-            (kl <= qh + right) & (kh >= ql - left),
-            (kl >= qh - left) & (kh <= ql + right),
-        ),
+        bounds=rule.bounds,
         name=f"sliding_window({left}, {right})",
     )
+
+
+@dataclass(frozen=True)
+class _Dilated:
+    """`dilated_window(window, dilation)`: |q − kv| ≤ reach and a multiple of `dilation`."""
+
+    reach: int
+    dilation: int
+
+    def rule(self, b, h, q, kv, n):
+        return ((q - kv).abs() <= self.reach) & ((q - kv) % self.dilation == 0)
+
+    def bounds(self, *a):
+        maybe_any, surely_all = _Window(self.reach, self.reach).bounds(*a)
+        return maybe_any, surely_all & (self.dilation == 1)
 
 
 def dilated_window(window: int, dilation: int) -> Mask:
     """Longformer's dilated window: keys at `q ± m·dilation` for m = 0 … window."""
     window, dilation = _int("window", window, 0), _int("dilation", dilation, 1)
     reach = window * dilation
-    band = sliding_window(reach)
+    rule = _Dilated(reach, dilation)
     return Mask(
-        rule=lambda b, h, q, kv, n: ((q - kv).abs() <= reach) & ((q - kv) % dilation == 0),
-        bounds=lambda *a: (band._bounds(*a)[0], band._bounds(*a)[1] & (dilation == 1)),
-        ranges=band._ranges,
+        rule=rule.rule,
+        bounds=rule.bounds,
+        ranges=_Window(reach, reach).ranges,
         name=f"dilated_window({window}, {dilation})",
     )
 
@@ -435,28 +514,48 @@ def _count_in(sorted_idx: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> t
     return (upper - lower).view(shape)
 
 
+@dataclass(frozen=True, eq=False)
+class _Global:
+    """`global_tokens(indices)`: `table` the sorted positions, as runs [starts[r], ends[r]];
+    `last` the largest (a Python int: checking reads no tensor)."""
+
+    table: torch.Tensor
+    starts: torch.Tensor
+    ends: torch.Tensor
+    last: int
+
+    def is_global(self, p):
+        return torch.isin(p, self.table.to(p.device))
+
+    def rule(self, b, h, q, kv, n):
+        return self.is_global(q) | self.is_global(kv)
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        nq_glob, nk_glob = _count_in(self.table, ql, qh), _count_in(self.table, kl, kh)
+        return (nq_glob > 0) | (nk_glob > 0), (nq_glob == qh - ql + 1) | (nk_glob == kh - kl + 1)
+
+    def check(self, nq, nk):
+        if self.last >= nk:
+            raise ValueError(
+                f"global token index {self.last} is out of range for a sequence of {nk} keys"
+            )
+
+    def ranges(self, ql, qh, n):
+        has_global = _count_in(self.table, ql, qh) > 0  # such a query tile reaches every key
+        starts, ends = self.starts, self.ends
+        lo = torch.cat(
+            [torch.where(has_global, 0, n)[None], starts[:, None].expand(-1, ql.numel())]
+        )
+        hi = torch.cat([torch.full_like(ql, n - 1)[None], ends[:, None].expand(-1, ql.numel())])
+        return lo, hi
+
+
 def global_tokens(indices: Sequence[int] | torch.Tensor) -> Mask:
     """These positions attend everywhere and every position attends to them."""
     idx = _int_list("indices", indices)
     if any(i < 0 for i in idx):
         raise ValueError(f"global token indices must be ≥ 0, got {sorted(idx)[:5]}")
     table = torch.tensor(sorted(set(idx)), dtype=torch.long)
-
-    def is_global(p):
-        return torch.isin(p, table.to(p.device))
-
-    def bounds(b, h, ql, qh, kl, kh, n):
-        nq_glob, nk_glob = _count_in(table, ql, qh), _count_in(table, kl, kh)
-        return (nq_glob > 0) | (nk_glob > 0), (nq_glob == qh - ql + 1) | (nk_glob == kh - kl + 1)
-
-    last = max(idx, default=-1)  # a Python int: checking reads no tensor
-
-    def check(nq, nk):
-        if last >= nk:
-            raise ValueError(
-                f"global token index {last} is out of range for a sequence of {nk} keys"
-            )
-
     # the global keys as runs of consecutive positions: [starts[r], ends[r]]
     if len(table):
         brk = torch.nonzero(table.diff() != 1).view(-1)
@@ -464,24 +563,30 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> Mask:
         ends = torch.cat([table[brk], table[-1:]])
     else:
         starts = ends = table
-
-    def ranges(ql, qh, n):
-        has_global = _count_in(table, ql, qh) > 0  # such a query tile reaches every key
-        lo = torch.cat(
-            [torch.where(has_global, 0, n)[None], starts[:, None].expand(-1, ql.numel())]
-        )
-        hi = torch.cat([torch.full_like(ql, n - 1)[None], ends[:, None].expand(-1, ql.numel())])
-        return lo, hi
-
+    rule = _Global(table, starts, ends, max(idx, default=-1))
     shown = idx if len(idx) <= 6 else [*sorted(idx)[:3], "…", sorted(idx)[-1]]
     return Mask(
-        rule=lambda b, h, q, kv, n: is_global(q) | is_global(kv),
-        bounds=bounds,
-        ranges=ranges,
+        rule=rule.rule,
+        bounds=rule.bounds,
+        ranges=rule.ranges,
         exact_ranges=True,
         name=f"global_tokens({shown})".replace("'", ""),
-        check=check,
+        check=rule.check,
     )
+
+
+@dataclass(frozen=True)
+class _Strided:
+    """`strided(stride)`: |q − kv| < stride, or a multiple of `stride` apart."""
+
+    stride: int
+
+    def rule(self, b, h, q, kv, n):
+        return ((q - kv).abs() < self.stride) | ((q - kv) % self.stride == 0)
+
+    def bounds(self, *a):
+        maybe_any, surely_all = _Window(self.stride - 1, self.stride - 1).bounds(*a)
+        return torch.ones_like(maybe_any), surely_all
 
 
 def strided(stride: int) -> Mask:
@@ -489,12 +594,35 @@ def strided(stride: int) -> Mask:
     positions, plus every `stride`-th position. Compose with `causal()` for the paper's
     autoregressive form."""
     stride = _int("stride", stride, 1)
-    local = sliding_window(stride - 1)
-    return Mask(
-        rule=lambda b, h, q, kv, n: ((q - kv).abs() < stride) | ((q - kv) % stride == 0),
-        bounds=lambda *a: (torch.ones_like(local._bounds(*a)[0]), local._bounds(*a)[1]),
-        name=f"strided({stride})",
-    )
+    rule = _Strided(stride)
+    return Mask(rule=rule.rule, bounds=rule.bounds, name=f"strided({stride})")
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """`fixed(block, summary)`: the same block, or one of the last `summary` of a block."""
+
+    block: int
+    summary: int
+
+    def n_summary_below(self, x):  # number of summary columns in [0, x)
+        block, summary = self.block, self.summary
+        return (x // block) * summary + torch.clamp(x % block - (block - summary), min=0)
+
+    def rule(self, b, h, q, kv, n):
+        block = self.block
+        return (q // block == kv // block) | (kv % block >= block - self.summary)
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        block = self.block
+        same_any = (kl // block <= qh // block) & (kh // block >= ql // block)
+        same_all = (
+            (ql // block == qh // block)
+            & (kl // block == ql // block)
+            & (kh // block == ql // block)
+        )
+        count = self.n_summary_below(kh + 1) - self.n_summary_below(kl)
+        return same_any | (count > 0), same_all | (count == kh - kl + 1)
 
 
 def fixed(block: int, summary: int) -> Mask:
@@ -503,30 +631,43 @@ def fixed(block: int, summary: int) -> Mask:
     block, summary = _int("block", block, 1), _int("summary", summary, 1)
     if summary > block:
         raise ValueError(f"summary={summary} must be ≤ block={block}")
-
-    def n_summary_below(x):  # number of summary columns in [0, x)
-        return (x // block) * summary + torch.clamp(x % block - (block - summary), min=0)
-
-    def bounds(b, h, ql, qh, kl, kh, n):
-        same_any = (kl // block <= qh // block) & (kh // block >= ql // block)
-        same_all = (
-            (ql // block == qh // block)
-            & (kl // block == ql // block)
-            & (kh // block == ql // block)
-        )
-        count = n_summary_below(kh + 1) - n_summary_below(kl)
-        return same_any | (count > 0), same_all | (count == kh - kl + 1)
-
-    return Mask(
-        rule=lambda b, h, q, kv, n: (q // block == kv // block) | (kv % block >= block - summary),
-        bounds=bounds,
-        name=f"fixed({block}, {summary})",
-    )
+    rule = _Fixed(block, summary)
+    return Mask(rule=rule.rule, bounds=rule.bounds, name=f"fixed({block}, {summary})")
 
 
 def _doc_ids(bounds_t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     flat = p.reshape(-1).contiguous()
     return torch.searchsorted(bounds_t.to(p.device), flat, right=True).view(p.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class _Document:
+    """`document(lengths)`: doc d covers positions [starts[d], ends[d]); `total` keys."""
+
+    ends: torch.Tensor
+    starts: torch.Tensor
+    total: int
+
+    def rule(self, b, h, q, kv, n):
+        return _doc_ids(self.ends, q) == _doc_ids(self.ends, kv)
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        dql, dqh, dkl, dkh = (_doc_ids(self.ends, x) for x in (ql, qh, kl, kh))
+        return (dkl <= dqh) & (dkh >= dql), (dql == dqh) & (dkl == dkh) & (dql == dkl)
+
+    def check(self, nq, nk):
+        if self.total != nk:
+            raise ValueError(
+                f"document lengths sum to {self.total}, but the sequence has {nk} keys"
+            )
+        _queries_within_keys("document", nq, nk)
+
+    def ranges(self, ql, qh, n):
+        starts, ends = self.starts, self.ends
+        return _span(starts[_doc_ids(ends, ql)], starts[_doc_ids(ends, qh) + 1] - 1, ql)
+
+    def segments(self, nq, nk):  # query row i sits at position i + nk − nq
+        return (self.starts - (nk - nq)).clamp(0, nq), self.starts
 
 
 def document(lengths: Sequence[int] | torch.Tensor) -> Mask:
@@ -535,49 +676,43 @@ def document(lengths: Sequence[int] | torch.Tensor) -> Mask:
     lens = _int_list("lengths", lengths)
     if any(n < 0 for n in lens):
         raise ValueError(f"document lengths must be ≥ 0, got {lens}")
-    total = sum(lens)
     ends = torch.tensor(lens, dtype=torch.long).cumsum(0)  # doc d covers [ends[d-1], ends[d])
-
-    def rule(b, h, q, kv, n):
-        return _doc_ids(ends, q) == _doc_ids(ends, kv)
-
-    def bounds(b, h, ql, qh, kl, kh, n):
-        dql, dqh, dkl, dkh = (_doc_ids(ends, x) for x in (ql, qh, kl, kh))
-        return (dkl <= dqh) & (dkh >= dql), (dql == dqh) & (dkl == dkh) & (dql == dkl)
-
-    def check(nq, nk):
-        if total != nk:
-            raise ValueError(f"document lengths sum to {total}, but the sequence has {nk} keys")
-        _queries_within_keys("document", nq, nk)
-
     starts = torch.cat([torch.zeros(1, dtype=torch.long), ends])
-
-    def ranges(ql, qh, n):
-        return _span(starts[_doc_ids(ends, ql)], starts[_doc_ids(ends, qh) + 1] - 1, ql)
-
-    def segments(nq, nk):  # query row i sits at position i + nk − nq
-        return (starts - (nk - nq)).clamp(0, nq), starts
-
+    rule = _Document(ends, starts, sum(lens))
     return Mask(
-        rule=rule,
-        bounds=bounds,
-        ranges=ranges,
+        rule=rule.rule,
+        bounds=rule.bounds,
+        ranges=rule.ranges,
         exact_ranges=True,
-        segments=segments,
+        segments=rule.segments,
         name=f"document({lens})",
-        check=check,
+        check=rule.check,
     )
 
 
+@dataclass(frozen=True)
+class _KeysBelow:
+    """`key < n_prefix` (the bidirectional part of `prefix_lm`)."""
+
+    n_prefix: int
+
+    def rule(self, b, h, q, kv, n):
+        return kv < self.n_prefix
+
+    def ranges(self, ql, qh, n):
+        return _span(0, self.n_prefix - 1, ql)
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        return (kl < self.n_prefix) & (qh >= ql), (kh < self.n_prefix) & (qh >= ql)
+
+
 def _key_below(n_prefix: int) -> Mask:
+    rule = _KeysBelow(n_prefix)
     return Mask(
-        rule=lambda b, h, q, kv, n: kv < n_prefix,
-        ranges=lambda ql, qh, n: _span(0, n_prefix - 1, ql),
+        rule=rule.rule,
+        ranges=rule.ranges,
         exact_ranges=True,
-        bounds=lambda b, h, ql, qh, kl, kh, n: (
-            (kl < n_prefix) & (qh >= ql),
-            (kh < n_prefix) & (qh >= ql),
-        ),
+        bounds=rule.bounds,
         name=f"keys_below({n_prefix})",
     )
 
@@ -591,34 +726,72 @@ def prefix_lm(n_prefix: int) -> Mask:
     return m
 
 
+@dataclass(frozen=True, eq=False)
+class _Padding:
+    """`padding(lengths)`: key < table[b]."""
+
+    table: torch.Tensor
+    longest: int
+
+    def rule(self, b, h, q, kv, n):
+        return kv < self.table.to(kv.device)[b]
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        L = self.table[b]
+        return kl < L, kh < L
+
+    def check(self, nq, nk):
+        if self.longest > nk:
+            raise ValueError(f"padding length {self.longest} exceeds the sequence of {nk} keys")
+
+    def ranges(self, ql, qh, n):
+        return _span(0, self.longest - 1, ql)
+
+
 def padding(lengths: Sequence[int] | torch.Tensor) -> Mask:
     """Per batch element b, only the first `lengths[b]` keys are real (the rest is padding).
     Queries are not masked: a padded query still gets an output (ignore it)."""
     lens = _int_list("lengths", lengths)
     if any(n < 0 for n in lens):
         raise ValueError(f"padding lengths must be ≥ 0, got {lens}")
-    table = torch.tensor(lens, dtype=torch.long)
-
-    def rule(b, h, q, kv, n):
-        return kv < table.to(kv.device)[b]
-
-    def bounds(b, h, ql, qh, kl, kh, n):
-        L = table[b]
-        return kl < L, kh < L
-
-    def check(nq, nk):
-        if max(lens, default=0) > nk:
-            raise ValueError(f"padding length {max(lens)} exceeds the sequence of {nk} keys")
-
-    longest = max(lens, default=0)
+    rule = _Padding(torch.tensor(lens, dtype=torch.long), max(lens, default=0))
     return Mask(
-        rule=rule,
-        bounds=bounds,
-        ranges=lambda ql, qh, n: _span(0, longest - 1, ql),
+        rule=rule.rule,
+        bounds=rule.bounds,
+        ranges=rule.ranges,
         name=f"padding({lens})",
         batch=len(lens),
-        check=check,
+        check=rule.check,
     )
+
+
+@dataclass(frozen=True, eq=False)
+class _KeyMask:
+    """`key_mask(valid)`: `valid` (B, Nk) on its device, `table` on the CPU (the same tensor
+    when `valid` is there), `counts` the real keys before each key, [first, last] the keys real
+    in some batch element."""
+
+    valid: torch.Tensor
+    table: torch.Tensor
+    counts: torch.Tensor
+    first: int
+    last: int
+
+    def rule(self, b, h, q, kv, n):
+        return self.valid[b, kv]
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        real = self.counts[b, kh + 1] - self.counts[b, kl]  # real keys in each tile, per b
+        return real > 0, real == kh - kl + 1
+
+    def check(self, nq, nk):
+        if self.table.shape[1] != nk:
+            raise ValueError(
+                f"key_mask covers {self.table.shape[1]} keys, but the sequence has {nk}"
+            )
+
+    def ranges(self, ql, qh, n):
+        return _span(self.first, self.last, ql)
 
 
 def key_mask(valid: torch.Tensor) -> Mask:
@@ -633,29 +806,105 @@ def key_mask(valid: torch.Tensor) -> Mask:
     valid = valid.detach().clone()
     table = valid.to("cpu")
     counts = torch.nn.functional.pad(table.long().cumsum(1), (1, 0))  # (B, Nk + 1)
-
-    def rule(b, h, q, kv, n):
-        return valid[b, kv]
-
-    def bounds(b, h, ql, qh, kl, kh, n):
-        real = counts[b, kh + 1] - counts[b, kl]  # real keys in each tile, per batch element
-        return real > 0, real == kh - kl + 1
-
-    def check(nq, nk):
-        if table.shape[1] != nk:
-            raise ValueError(f"key_mask covers {table.shape[1]} keys, but the sequence has {nk}")
-
     real = table.any(0).nonzero().view(-1)  # keys real in some batch element
     first, last = (int(real[0]), int(real[-1])) if real.numel() else (1, 0)
-
+    rule = _KeyMask(valid, table, counts, first, last)
     return Mask(
-        rule=rule,
-        bounds=bounds,
-        ranges=lambda ql, qh, n: _span(first, last, ql),
+        rule=rule.rule,
+        bounds=rule.bounds,
+        ranges=rule.ranges,
         name=f"key_mask(B={table.shape[0]}, Nk={table.shape[1]})",
         batch=table.shape[0],
-        check=check,
+        check=rule.check,
     )
+
+
+@dataclass(frozen=True)
+class _BigBird:
+    """`bigbird(window, n_global, n_random, block, seed)`, at block granularity."""
+
+    window: int
+    n_global: int
+    n_random: int
+    block: int
+    seed: int
+
+    def picks(self, n: int) -> torch.Tensor:
+        """`(nb, n_random)` int64: the random key blocks of each query block, for n positions."""
+        nb = max(1, -(-n // self.block))
+        r = min(self.n_random, nb)
+        seed = self.seed
+
+        def build() -> torch.Tensor:
+            g = torch.Generator().manual_seed(seed)
+            rows = max(1, 2**22 // nb)  # draw a few MB of uniforms at a time
+            parts = [
+                torch.rand(min(rows, nb - i), nb, generator=g).topk(r, largest=False).indices
+                for i in range(0, nb, rows)
+            ]
+            return torch.cat(parts).sort(-1).values
+
+        return CACHE.get(("bigbird-picks", seed, nb, r), build)
+
+    def rule(self, b, h, q, kv, n):
+        block, window, n_global = self.block, self.window, self.n_global
+        i, j = q // block, kv // block
+        allowed = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
+        if self.n_random:
+            p = self.picks(n).to(q.device)
+            i_, j_ = torch.broadcast_tensors(i, j)
+            rows = p[i_.clamp(max=p.shape[0] - 1)]  # (..., n_random)
+            for t in range(rows.shape[-1]):  # one comparison per pick: no (..., R) temporary
+                allowed = allowed | (rows[..., t] == j_)
+        return allowed
+
+    def check(self, nq, nk):
+        _queries_within_keys("bigbird", nq, nk)
+
+    def blocks_allowed(self, i, j, p):
+        ok = ((i - j).abs() <= self.window) | (i < self.n_global) | (j < self.n_global)
+        if p is not None:
+            ok = ok | (p[i.clamp(max=p.shape[0] - 1)] == j.unsqueeze(-1)).any(-1)
+        return ok
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        block, window, n_global = self.block, self.window, self.n_global
+        i0, i1, j0, j1 = ql // block, qh // block, kl // block, kh // block  # inclusive
+        p = self.picks(n) if self.n_random else None
+        if int((i1 - i0).max()) + 1 <= 8 and int((j1 - j0).max()) + 1 <= 8:
+            # few block pairs per rectangle (tiles of about a block): enumerate them, exact
+            shape = torch.broadcast_shapes(i0.shape, i1.shape, j0.shape, j1.shape)
+            any_ = torch.zeros(shape, dtype=torch.bool)
+            all_ = torch.ones(shape, dtype=torch.bool)
+            for di in range(int((i1 - i0).max()) + 1):
+                for dj in range(int((j1 - j0).max()) + 1):
+                    i, j = (i0 + di).expand(shape), (j0 + dj).expand(shape)
+                    inside = (i <= i1) & (j <= j1)
+                    ok = self.blocks_allowed(i, j, p)
+                    any_ |= inside & ok
+                    all_ &= ~inside | ok
+            return any_, all_
+        any_ = (j0 <= i1 + window) & (j1 >= i0 - window) | (i0 < n_global) | (j0 < n_global)
+        all_ = (j0 >= i1 - window) & (j1 <= i0 + window) | (i1 < n_global) | (j1 < n_global)
+        if p is not None:  # a random pick inside makes it non-empty (full: left to the rule)
+            any_ = any_ | _picks_in(p, i0, i1, j0, j1)
+        return any_, all_
+
+    def ranges(self, ql, qh, n):
+        block, window, n_global = self.block, self.window, self.n_global
+        i0, i1 = ql // block, qh // block
+        lo = [(i0 - window) * block, torch.zeros_like(ql), torch.where(i0 < n_global, 0, n)]
+        hi = [(i1 + window + 1) * block - 1, torch.full_like(ql, n_global * block - 1)]
+        hi.append(torch.full_like(ql, n - 1))
+        if self.n_random:  # the picks of every block row the tile spans
+            p = self.picks(n)
+            for d in range(int((i1 - i0).max()) + 1 if ql.numel() else 0):
+                row = (i0 + d).clamp(max=p.shape[0] - 1)
+                live = (i0 + d) <= i1
+                for t in range(p.shape[1]):
+                    lo.append(torch.where(live, p[row, t] * block, n))
+                    hi.append(torch.where(live, (p[row, t] + 1) * block - 1, -1))
+        return torch.stack(lo), torch.stack(hi)
 
 
 def bigbird(window: int, n_global: int, n_random: int, block: int, seed: int = 0) -> Mask:
@@ -669,87 +918,14 @@ def bigbird(window: int, n_global: int, n_random: int, block: int, seed: int = 0
     window, n_global = _int("window", window, 0), _int("n_global", n_global, 0)
     n_random, block = _int("n_random", n_random, 0), _int("block", block, 1)
     seed = _int("seed", seed, 0)
-
-    def picks(n: int) -> torch.Tensor:
-        """`(nb, n_random)` int64: the random key blocks of each query block, for n positions."""
-        nb = max(1, -(-n // block))
-        r = min(n_random, nb)
-
-        def build() -> torch.Tensor:
-            g = torch.Generator().manual_seed(seed)
-            rows = max(1, 2**22 // nb)  # draw a few MB of uniforms at a time
-            parts = [
-                torch.rand(min(rows, nb - i), nb, generator=g).topk(r, largest=False).indices
-                for i in range(0, nb, rows)
-            ]
-            return torch.cat(parts).sort(-1).values
-
-        return CACHE.get(("bigbird-picks", seed, nb, r), build)
-
-    def rule(b, h, q, kv, n):
-        i, j = q // block, kv // block
-        allowed = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
-        if n_random:
-            p = picks(n).to(q.device)
-            i_, j_ = torch.broadcast_tensors(i, j)
-            rows = p[i_.clamp(max=p.shape[0] - 1)]  # (..., n_random)
-            for t in range(rows.shape[-1]):  # one comparison per pick: no (..., R) temporary
-                allowed = allowed | (rows[..., t] == j_)
-        return allowed
-
-    def check(nq, nk):
-        _queries_within_keys("bigbird", nq, nk)
-
-    def blocks_allowed(i, j, p):
-        ok = ((i - j).abs() <= window) | (i < n_global) | (j < n_global)
-        if p is not None:
-            ok = ok | (p[i.clamp(max=p.shape[0] - 1)] == j.unsqueeze(-1)).any(-1)
-        return ok
-
-    def bounds(b, h, ql, qh, kl, kh, n):
-        i0, i1, j0, j1 = ql // block, qh // block, kl // block, kh // block  # inclusive
-        p = picks(n) if n_random else None
-        if int((i1 - i0).max()) + 1 <= 8 and int((j1 - j0).max()) + 1 <= 8:
-            # few block pairs per rectangle (tiles of about a block): enumerate them, exact
-            shape = torch.broadcast_shapes(i0.shape, i1.shape, j0.shape, j1.shape)
-            any_ = torch.zeros(shape, dtype=torch.bool)
-            all_ = torch.ones(shape, dtype=torch.bool)
-            for di in range(int((i1 - i0).max()) + 1):
-                for dj in range(int((j1 - j0).max()) + 1):
-                    i, j = (i0 + di).expand(shape), (j0 + dj).expand(shape)
-                    inside = (i <= i1) & (j <= j1)
-                    ok = blocks_allowed(i, j, p)
-                    any_ |= inside & ok
-                    all_ &= ~inside | ok
-            return any_, all_
-        any_ = (j0 <= i1 + window) & (j1 >= i0 - window) | (i0 < n_global) | (j0 < n_global)
-        all_ = (j0 >= i1 - window) & (j1 <= i0 + window) | (i1 < n_global) | (j1 < n_global)
-        if p is not None:  # a random pick inside makes it non-empty (full: left to the rule)
-            any_ = any_ | _picks_in(p, i0, i1, j0, j1)
-        return any_, all_
-
-    def ranges(ql, qh, n):
-        i0, i1 = ql // block, qh // block
-        lo = [(i0 - window) * block, torch.zeros_like(ql), torch.where(i0 < n_global, 0, n)]
-        hi = [(i1 + window + 1) * block - 1, torch.full_like(ql, n_global * block - 1)]
-        hi.append(torch.full_like(ql, n - 1))
-        if n_random:  # the picks of every block row the tile spans
-            p = picks(n)
-            for d in range(int((i1 - i0).max()) + 1 if ql.numel() else 0):
-                row = (i0 + d).clamp(max=p.shape[0] - 1)
-                live = (i0 + d) <= i1
-                for t in range(p.shape[1]):
-                    lo.append(torch.where(live, p[row, t] * block, n))
-                    hi.append(torch.where(live, (p[row, t] + 1) * block - 1, -1))
-        return torch.stack(lo), torch.stack(hi)
-
+    rule = _BigBird(window, n_global, n_random, block, seed)
     return Mask(
-        rule=rule,
-        bounds=bounds,
-        ranges=ranges,
+        rule=rule.rule,
+        bounds=rule.bounds,
+        ranges=rule.ranges,
         name=f"bigbird(window={window}, n_global={n_global}, n_random={n_random}, "
         f"block={block}, seed={seed})",
-        check=check,
+        check=rule.check,
     )
 
 
@@ -770,6 +946,27 @@ def _picks_in(picks: torch.Tensor, i0, i1, j0, j1) -> torch.Tensor:
     return out.view(shape)
 
 
+@dataclass(frozen=True, eq=False)
+class _FromTensor:
+    """`from_tensor(mask)`: `m4` the held copy `(B, H, Nq, Nk)`."""
+
+    m4: torch.Tensor
+
+    def rule(self, b, h, q, kv, n):
+        B, H, nq_t, nk_t = self.m4.shape
+        t = self.m4.to(q.device)
+        rows = q - (nk_t - nq_t)
+        return t[b if B > 1 else 0, h if H > 1 else 0, rows.clamp(0, nq_t - 1), kv] & (rows >= 0)
+
+    def check(self, nq, nk):
+        nq_t, nk_t = self.m4.shape[2:]
+        if (nq, nk) != (nq_t, nk_t):
+            raise ValueError(
+                f"mask from_tensor has shape (Nq, Nk)=({nq_t}, {nk_t}) but the problem is "
+                f"({nq}, {nk})"
+            )
+
+
 def from_tensor(mask: torch.Tensor) -> Mask:
     """A dense bool tensor `(Nq, Nk)`, `(H, Nq, Nk)` or `(B, H, Nq, Nk)` as a Mask (True = may
     attend). Its size must match the problem it is used on.
@@ -782,26 +979,14 @@ def from_tensor(mask: torch.Tensor) -> Mask:
     if mask.dim() not in (2, 3, 4):
         raise ValueError(f"from_tensor needs 2 to 4 dims, got shape {tuple(mask.shape)}")
     m4 = mask.detach().clone().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    B, H, nq_t, nk_t = m4.shape
-
-    def rule(b, h, q, kv, n):
-        t = m4.to(q.device)
-        rows = q - (nk_t - nq_t)
-        return t[b if B > 1 else 0, h if H > 1 else 0, rows.clamp(0, nq_t - 1), kv] & (rows >= 0)
-
-    def check(nq, nk):
-        if (nq, nk) != (nq_t, nk_t):
-            raise ValueError(
-                f"mask from_tensor has shape (Nq, Nk)=({nq_t}, {nk_t}) but the problem is "
-                f"({nq}, {nk})"
-            )
-
+    B, H = m4.shape[:2]
+    rule = _FromTensor(m4)
     return Mask(
-        rule=rule,
+        rule=rule.rule,
         name=f"from_tensor(shape={tuple(mask.shape)})",
         batch=B if B > 1 else None,
         heads=H if H > 1 else None,
-        check=check,
+        check=rule.check,
     )
 
 
@@ -816,6 +1001,69 @@ def _check_cu(name: str, cu: object) -> torch.Tensor:
     return cu
 
 
+@dataclass(frozen=True, eq=False)
+class _Varlen:
+    """`varlen(cu_q, cu_k, causal)`: `tq`, `tk` query and key tokens in all."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    causal: bool
+    tq: int
+    tk: int
+
+    @property
+    def ends_q(self) -> torch.Tensor:
+        return self.cu_q[1:]
+
+    @property
+    def ends_k(self) -> torch.Tensor:
+        return self.cu_k[1:]
+
+    def seq_q(self, row):
+        return _doc_ids(self.ends_q, row)
+
+    def rule(self, b, h, q, kv, n):
+        cu_q, cu_k = self.cu_q, self.cu_k
+        row = q - (self.tk - self.tq)
+        d = self.seq_q(row)
+        same = d == _doc_ids(self.ends_k, kv)
+        if not self.causal:
+            return same
+        dc = d.clamp(max=cu_q.numel() - 2)
+        cq, ck = cu_q.to(q.device), cu_k.to(q.device)
+        off = (ck[dc + 1] - ck[dc]) - (cq[dc + 1] - cq[dc])
+        return same & (kv - ck[dc] <= row - cq[dc] + off)
+
+    def bounds(self, b, h, ql, qh, kl, kh, n):
+        cu_q, cu_k = self.cu_q, self.cu_k
+        rl, rh = ql - (self.tk - self.tq), qh - (self.tk - self.tq)
+        dql, dqh = self.seq_q(rl), self.seq_q(rh)
+        dkl, dkh = _doc_ids(self.ends_k, kl), _doc_ids(self.ends_k, kh)
+        maybe_any = (dkl <= dqh) & (dkh >= dql)
+        surely_all = (dql == dqh) & (dkl == dkh) & (dql == dkl)
+        if self.causal:
+            d = dql.clamp(max=cu_q.numel() - 2)
+            off = (cu_k[d + 1] - cu_k[d]) - (cu_q[d + 1] - cu_q[d])
+            surely_all = surely_all & (kh - cu_k[d] <= rl - cu_q[d] + off)
+        return maybe_any, surely_all
+
+    def check(self, nq, nk):
+        tq, tk = self.tq, self.tk
+        if (nq, nk) != (tq, tk):
+            raise ValueError(
+                f"cu_seqlens describe {tq} query and {tk} key tokens, got Nq={nq}, Nk={nk}"
+            )
+
+    def ranges(self, ql, qh, n):  # the keys of the sequences the tile's query rows belong to
+        last = self.cu_q.numel() - 2
+        d0 = self.seq_q(ql - (self.tk - self.tq)).clamp(max=last)
+        d1 = self.seq_q(qh - (self.tk - self.tq)).clamp(max=last)
+        return _span(self.cu_k[d0], self.cu_k[d1 + 1] - 1, ql)
+
+    def segments(self, nq, nk):
+        return self.cu_q, self.cu_k
+
+
 def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = False) -> Mask:
     """Packed variable-length sequences (FlashAttention's `cu_seqlens`): query row i of
     sequence s attends only keys of sequence s; with `causal`, bottom-right aligned within each
@@ -827,52 +1075,13 @@ def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool 
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
             f"{cu_q.numel() - 1} and {cu_k.numel() - 1}"
         )
-    tq, tk = int(cu_q[-1]), int(cu_k[-1])
-    ends_q, ends_k = cu_q[1:], cu_k[1:]
-
-    def seq_q(row):
-        return _doc_ids(ends_q, row)
-
-    def rule(b, h, q, kv, n):
-        row = q - (tk - tq)
-        d = seq_q(row)
-        same = d == _doc_ids(ends_k, kv)
-        if not causal:
-            return same
-        dc = d.clamp(max=len(ends_q) - 1)
-        cq, ck = cu_q.to(q.device), cu_k.to(q.device)
-        off = (ck[dc + 1] - ck[dc]) - (cq[dc + 1] - cq[dc])
-        return same & (kv - ck[dc] <= row - cq[dc] + off)
-
-    def bounds(b, h, ql, qh, kl, kh, n):
-        rl, rh = ql - (tk - tq), qh - (tk - tq)
-        dql, dqh = seq_q(rl), seq_q(rh)
-        dkl, dkh = _doc_ids(ends_k, kl), _doc_ids(ends_k, kh)
-        maybe_any = (dkl <= dqh) & (dkh >= dql)
-        surely_all = (dql == dqh) & (dkl == dkh) & (dql == dkl)
-        if causal:
-            d = dql.clamp(max=len(ends_q) - 1)
-            off = (cu_k[d + 1] - cu_k[d]) - (cu_q[d + 1] - cu_q[d])
-            surely_all = surely_all & (kh - cu_k[d] <= rl - cu_q[d] + off)
-        return maybe_any, surely_all
-
-    def check(nq, nk):
-        if (nq, nk) != (tq, tk):
-            raise ValueError(
-                f"cu_seqlens describe {tq} query and {tk} key tokens, got Nq={nq}, Nk={nk}"
-            )
-
-    def ranges(ql, qh, n):  # the keys of the sequences the tile's query rows belong to
-        d0 = seq_q(ql - (tk - tq)).clamp(max=len(ends_q) - 1)
-        d1 = seq_q(qh - (tk - tq)).clamp(max=len(ends_q) - 1)
-        return _span(cu_k[d0], cu_k[d1 + 1] - 1, ql)
-
+    rule = _Varlen(cu_q, cu_k, bool(causal), int(cu_q[-1]), int(cu_k[-1]))
     n_seq = cu_q.numel() - 1
     return Mask(
-        rule=rule,
-        bounds=bounds,
-        ranges=ranges,
-        segments=lambda nq, nk: (cu_q, cu_k),
+        rule=rule.rule,
+        bounds=rule.bounds,
+        ranges=rule.ranges,
+        segments=rule.segments,
         name=f"varlen({n_seq} sequences, causal={causal})",
-        check=check,
+        check=rule.check,
     )

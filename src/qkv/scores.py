@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -70,11 +71,7 @@ def compose(*mods: ScoreMod) -> ScoreMod:
         if not isinstance(m, ScoreMod):
             raise TypeError(f"compose takes ScoreMod objects, got {type(m).__name__}")
 
-    def fn(score, b, h, q, kv):
-        for m in mods:
-            score = m(score, b, h, q, kv)
-        return score
-
+    fn = _Composed(tuple(mods))
     params = tuple(p for m in mods for p in m.params)
     heads = {m.heads for m in mods} - {None}
     if len(heads) > 1:
@@ -109,10 +106,7 @@ def alibi(slopes: torch.Tensor | Sequence[float]) -> ScoreMod:
     if t.numel() == 0 or not torch.isfinite(t).all():
         raise ValueError(f"slopes must be a non-empty tensor of finite numbers, got {slopes!r}")
 
-    def fn(score, b, h, q, kv):
-        return score - t.to(score)[h] * (q - kv).abs().to(score.dtype)
-
-    return ScoreMod(fn, f"alibi({t.numel()} heads)", heads=t.numel(), parts=(("alibi", t),))
+    return ScoreMod(_Alibi(t), f"alibi({t.numel()} heads)", heads=t.numel(), parts=(("alibi", t),))
 
 
 def softcap(cap: float) -> ScoreMod:
@@ -123,7 +117,7 @@ def softcap(cap: float) -> ScoreMod:
         raise ValueError(f"cap must be finite, got {cap!r}")
     cap = float(cap)
     return ScoreMod(
-        lambda score, b, h, q, kv: torch.tanh(score / cap) * cap,
+        _Softcap(cap),
         f"softcap({cap})",
         parts=(("softcap", cap),),
     )
@@ -144,11 +138,58 @@ def relative_bias(table: torch.Tensor, max_distance: int) -> ScoreMod:
         )
     M = max_distance
 
-    def fn(score, b, h, q, kv):
-        rel = (kv - q).clamp(-M, M) + M
-        rows = h if table.shape[0] > 1 else torch.zeros_like(h)
-        return score + table.to(score.dtype)[rows, rel]
-
+    fn = _RelativeBias(table, M)
     heads = table.shape[0] if table.shape[0] > 1 else None
     name = f"relative_bias(H={table.shape[0]}, max_distance={M})"
     return ScoreMod(fn, name, (table,), heads, parts=(("rel", table, M),))
+
+
+# The built-in modifiers' functions: module-level classes (never closures), so that a ScoreMod
+# pickles (spawn workers, object collectives, torch.save) by value, its tensors with it.
+
+
+@dataclass(frozen=True, eq=False)
+class _Composed:
+    """`compose(*mods)`: each modifier in turn, left to right."""
+
+    mods: tuple[ScoreMod, ...]
+
+    def __call__(self, score, b, h, q, kv):
+        for m in self.mods:
+            score = m(score, b, h, q, kv)
+        return score
+
+
+@dataclass(frozen=True, eq=False)
+class _Alibi:
+    """`alibi(slopes)`: `score − slopes[h] · |q − kv|`."""
+
+    slopes: torch.Tensor  # float64, one per query head
+
+    def __call__(self, score, b, h, q, kv):
+        return score - self.slopes.to(score)[h] * (q - kv).abs().to(score.dtype)
+
+
+@dataclass(frozen=True)
+class _Softcap:
+    """`softcap(cap)`: `cap · tanh(score / cap)`."""
+
+    cap: float
+
+    def __call__(self, score, b, h, q, kv):
+        return torch.tanh(score / self.cap) * self.cap
+
+
+@dataclass(frozen=True, eq=False)
+class _RelativeBias:
+    """`relative_bias(table, max_distance)`: `score + table[h, clip(kv − q) + M]`; `table` is
+    the caller's tensor itself (its gradients flow)."""
+
+    table: torch.Tensor
+    max_distance: int
+
+    def __call__(self, score, b, h, q, kv):
+        M, table = self.max_distance, self.table
+        rel = (kv - q).clamp(-M, M) + M
+        rows = h if table.shape[0] > 1 else torch.zeros_like(h)
+        return score + table.to(score.dtype)[rows, rel]
