@@ -189,7 +189,9 @@ def make_plan(
         scale_f = 1.0 / math.sqrt(D) if D > 0 else 1.0
     else:
         scale_f = _check_number("scale", scale)
-        if not math.isfinite(scale_f) or scale_f <= 0:
+        # comparisons, not math.isfinite: under torch.compile a float is symbolic (dynamo
+        # does not specialise floats) and a comparison is a guard, where isfinite breaks
+        if not 0 < scale_f < math.inf:  # False for NaN too
             raise ValueError(f"scale must be a finite number > 0, got scale={scale!r}")
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         info = torch.finfo(cdt)

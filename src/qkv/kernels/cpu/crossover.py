@@ -38,15 +38,24 @@ Where the tables come from, in order (`basis(isa)` says which one answers):
 
 Nothing is measured on a user's call: the tables are read once per process (`clear()` forgets
 them, and `QKV_CROSSOVERS` is read again, for tests and after `qkv tune`), decisions are
-remembered per class and size, and `torch.compile` keeps the decision as a constant.
+remembered per class and size. Under `torch.compile` the class's table comes into the graph as
+a constant (its bands: `Table.bands`) and a symbolic size is compared with the band bounds, each
+comparison a guard torch keeps: with dynamic shapes one graph serves every size on the same side
+of a crossover, and a size that crosses one is traced again (`_traced`).
+
+`QKV_CROSSOVERS` (`setting()`): unset, empty or `calibrated` (this machine's calibration where
+there is one, else the default) or `default`; any other value warns once, naming the variable
+and these values, and reads as unset.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import statistics
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -73,7 +82,9 @@ def qkv_version() -> str:
 
 def kind_of(plan: AttentionPlan) -> str:
     """`decode-{mha,gqa}-{q1,qN}`, `masked`, `causal` or `dense` (the module docstring)."""
-    if plan.q_len <= DECODE_ROWS and plan.kv_len > plan.q_len:
+    # Nk > Nq first: under torch.compile a self-attention request's Nq and Nk are one symbol,
+    # so this is known false without a guard, and no guard on Nq ≤ DECODE_ROWS is kept either
+    if plan.kv_len > plan.q_len and plan.q_len <= DECODE_ROWS:
         heads = "gqa" if plan.groups > 1 else "mha"
         return f"decode-{heads}-{'q1' if plan.q_len == 1 else 'qN'}"
     if plan.pairs.mask is not None:
@@ -95,8 +106,17 @@ def work_of(plan: AttentionPlan) -> float:
     forward's multiply-adds `B·H·Nq·Nk·(D+Dv)`, halved for square causal."""
     if kind_of(plan).startswith("decode"):
         return float(plan.batch * plan.kv_heads * plan.kv_len * (plan.head_dim + plan.v_dim))
+    return twice_work(plan) / 2
+
+
+def twice_work(plan: AttentionPlan) -> int:
+    """2 · `work_of(plan)`, an integer made of the plan's sizes only: under torch.compile with
+    dynamic shapes a symbolic one, which `decide` compares with the integer band bounds of
+    `Table.bands` (each comparison a guard torch keeps)."""
+    if kind_of(plan).startswith("decode"):
+        return 2 * plan.batch * plan.kv_heads * plan.kv_len * (plan.head_dim + plan.v_dim)
     w = plan.batch * plan.heads * plan.q_len * plan.kv_len * (plan.head_dim + plan.v_dim)
-    return w / 2 if plan.pairs.causal and plan.q_len == plan.kv_len else float(w)
+    return w if plan.pairs.causal and plan.q_len == plan.kv_len else 2 * w
 
 
 @dataclass(frozen=True)
@@ -112,13 +132,41 @@ class Table:
     def winner(self, cls: str, work: float) -> str | None:
         """ "cpu" or "sdpa" by the smoothed ratio of the nearest point in log(work); None when
         the class is not measured."""
-        pts = self.points.get(cls)
-        if not pts:
+        bands = self.bands(cls)
+        if bands is None:
             return None
-        x = math.log(max(work, 1.0))
-        i = min(range(len(pts)), key=lambda j: abs(math.log(max(pts[j][0], 1.0)) - x))
-        near = [r for _, r in pts[max(i - 1, 0) : i + 2]]
-        return "cpu" if statistics.median(near) >= 1.0 else "sdpa"
+        return next(who for bound, who in bands if bound is None or work <= bound)
+
+    def bands(self, cls: str) -> tuple[tuple[float | None, str], ...] | None:
+        """The class's table as bands of work with one winner each, by size: `((bound, who),
+        ...)`, a band holding the work up to its bound (the geometric midpoint between the
+        last point of the band and the first of the next: a request takes the nearest point
+        in log(work), the lower one on a tie), the last band unbounded (None); None when the
+        class is not measured. Neighbouring points with the same winner share a band, so a
+        band's end is a crossover."""
+        found = self._bands.get(cls)
+        if found is None and cls in self.points and self.points[cls]:
+            pts = self.points[cls]
+            sizes = [max(w, 1.0) for w, _ in pts]
+            found: list[tuple[float | None, str]] = []
+            for i in range(len(pts)):
+                near = [r for _, r in pts[max(i - 1, 0) : i + 2]]
+                who = "cpu" if statistics.median(near) >= 1.0 else "sdpa"
+                bound = (
+                    math.exp((math.log(sizes[i]) + math.log(sizes[i + 1])) / 2)
+                    if i + 1 < len(pts)
+                    else None
+                )
+                if found and found[-1][1] == who:
+                    found[-1] = (bound, who)
+                else:
+                    found.append((bound, who))
+            self._bands[cls] = tuple(found)
+        return self._bands.get(cls)
+
+    @functools.cached_property
+    def _bands(self) -> dict[str, tuple[tuple[float | None, str], ...]]:
+        return {}  # class -> its bands, worked out on first use
 
     def describe(self) -> str:
         how = "measured here by `qkv tune`" if self.source == "calibrated" else "qkv's default"
@@ -183,6 +231,7 @@ def clear() -> None:
     global _generation
     _loaded.clear()
     _decided.clear()
+    _warned.clear()
     _generation += 1
 
 
@@ -197,11 +246,37 @@ _generation = 0
 def table(isa: str) -> Table | None:
     """The table that decides for a path: the calibration if there is one (and `QKV_CROSSOVERS`
     is not `default`), else the default."""
-    if os.environ.get(ENV, "").strip().lower() != "default":
+    if setting() != "default":
         found = _read("calibrated").get(isa)
         if found is not None:
             return found
     return default_table(isa)
+
+
+SETTINGS = ("calibrated", "default")  # QKV_CROSSOVERS's values (unset or empty: calibrated)
+_warned: set[str] = set()  # values of QKV_CROSSOVERS already warned about in this process
+
+
+def setting() -> str:
+    """`QKV_CROSSOVERS` as `calibrated` (unset, empty or `calibrated`: this machine's
+    calibration where `qkv tune` stored one, else qkv's default) or `default` (qkv's default
+    only). Any other value is a mistake: it warns once per value, naming the variable and the
+    accepted values, and reads as unset (the choice is about speed: both backends are exact)."""
+    raw = os.environ.get(ENV, "")
+    value = raw.strip().lower()
+    if value in SETTINGS:
+        return value
+    if value and raw not in _warned:
+        _warned.add(raw)
+        warnings.warn(
+            f"{ENV}={raw!r} is not a value qkv knows; expected one of "
+            f"{', '.join(SETTINGS)} (or unset). It is read as unset: auto's size crossovers "
+            "come from this machine's calibration (`qkv tune`) where there is one, else from "
+            "qkv's default",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return "calibrated"
 
 
 def default_table(isa: str) -> Table | None:
@@ -214,8 +289,8 @@ def default_table(isa: str) -> Table | None:
 def decide(plan: AttentionPlan, isa: str) -> tuple[str, str]:
     """`(winner, why)` for a request SDPA can run: `("cpu", basis)`, the kernel (also when
     nothing was measured), or `("sdpa", the sentence saying why SDPA runs it)`."""
-    if torch.compiler.is_compiling():  # a constant of the graph (see below)
-        return _winner(isa, class_of(plan), work_of(plan))
+    if torch.compiler.is_compiling():
+        return _traced(isa, class_of(plan), twice_work(plan))
     work = work_of(plan)
     key = (isa, kind_of(plan), plan.dtype, plan.wants_grad, plan.head_dim <= 64, work)
     found = _decided.get(key)
@@ -236,6 +311,54 @@ def _winner(isa: str, cls: str, work: float) -> tuple[str, str]:
     )
 
 
+def _traced(isa: str, cls: str, twice: object) -> tuple[str, str]:
+    """`decide` while torch.compile traces, where `twice` (2 · work) may be a symbolic size:
+    the class's bands come as a constant of the graph (`_bands_of`) and the work is compared
+    with their integer bounds, each comparison a guard torch keeps, so the graph holds for the
+    band its sizes fall in and is traced again only when a size crosses a crossover (the
+    decision is then a different one). The same decision as outside torch.compile: a work w
+    in a band of bound b has 2w ≤ ⌊2b⌋ exactly when w ≤ b, 2w being an integer."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+
+    for last, who, why in _bands_of(isa, cls):
+        if last is None or guard_or_false(twice <= last):
+            return who, why
+        if guard_or_true(twice <= last):
+            # a size torch has no value for while tracing (data-dependent): the kernel,
+            # which runs every request exactly, and no guard
+            break
+    return "cpu", basis(isa)
+
+
+def _bands_of(isa: str, cls: str) -> tuple[tuple[int | None, str, str], ...]:
+    """The bands (`Table.bands`) of a class as `(last, who, why)`: the largest 2 · work in the
+    band (None: unbounded), its winner and the reason `decide` gives; empty when the class is
+    not measured (the kernel runs it)."""
+    t = table(isa)
+    bands = None if t is None else t.bands(cls)
+    if not bands:
+        return ()
+    found, low = [], None
+    for bound, who in bands:
+        last = None if bound is None else math.floor(2 * bound)
+        if who == "cpu":
+            why = basis(isa)
+        else:
+            size = (
+                "any work" if low is None and bound is None
+                else f"work ≤ {bound:.3g}" if low is None
+                else f"work > {low:.3g}" if bound is None
+                else f"{low:.3g} < work ≤ {bound:.3g}"
+            )  # fmt: skip
+            why = (
+                f"torch SDPA was measured faster on {cls} requests of this size ({size}, "
+                f"crossover.work_of); crossovers: {basis(isa)}"
+            )
+        found.append((last, who, why))
+        low = bound
+    return tuple(found)
+
+
 def basis(isa: str) -> str:
     """Which table decides for a path, in words (for `qkv.dispatch`)."""
     t = table(isa)
@@ -246,6 +369,7 @@ def basis(isa: str) -> str:
 
 # torch.compile calls these while tracing and keeps the answers as constants of the graph (what
 # `torch.compiler.assume_constant_result` does, without importing torch._dynamo here): the
-# tables are read from files once per process, never in a compiled graph.
-_winner._dynamo_marked_constant = True  # type: ignore[attr-defined]
+# tables are read from files once per process, never in a compiled graph. Their arguments are
+# names, never sizes: a symbolic size cannot be made a constant (`_traced` compares it).
+_bands_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
 basis._dynamo_marked_constant = True  # type: ignore[attr-defined]
