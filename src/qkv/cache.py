@@ -21,6 +21,7 @@ names a `Mask` or a held `BlockLayout` in the cache's keys and in the custom ops
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import weakref
@@ -225,13 +226,19 @@ class Cache:
 
 
 def budget() -> int:
-    """The cache's size in bytes, from `QKV_CACHE_MB` (MiB, default 256)."""
+    """The cache's size in bytes, from `QKV_CACHE_MB` (MiB, default 256; 0 turns it off). A
+    value that is not a finite number ≥ 0 raises ValueError naming the variable."""
     raw = os.environ.get("QKV_CACHE_MB", "256")
     try:
         mb = float(raw)
     except ValueError:
-        raise ValueError(f"QKV_CACHE_MB must be a number of MiB, got {raw!r}") from None
-    return int(max(mb, 0) * 2**20)
+        mb = math.nan
+    if not (math.isfinite(mb) and mb >= 0):
+        raise ValueError(
+            f"QKV_CACHE_MB must be a number of MiB, finite and >= 0 (0 turns qkv's cache "
+            f"off; unset, 256), got {raw!r}"
+        )
+    return int(mb * 2**20)
 
 
 CACHE = Cache(budget())

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import limits
 from .cache import handle, lookup
 from .layout import BlockLayout, allowed, causal_hidden, dense_allowed
 from .masks import Mask
@@ -86,11 +87,36 @@ class Pairs:
         )  # fmt: skip
 
     def dense(self, device: torch.device | str | None = None) -> torch.Tensor | None:
-        """`allowed` over the whole problem, bool `(Bm, Hm, Nq, Nk)`, or None."""
+        """`allowed` over the whole problem, bool `(Bm, Hm, Nq, Nk)`, or None. Raises
+        `qkv.limits.MemoryRefusal` first when that cannot fit (`check_dense`)."""
+        self.check_dense(device)
         return dense_allowed(
             self.q_len, self.kv_len, causal=self.causal, rule=self.rule, mask=self.mask,
             device=device,
         )  # fmt: skip
+
+    def check_dense(self, device: torch.device | str | None = None) -> None:
+        """Refuse, before allocating, a dense mask (and the rule's temporaries, ~3 bytes a pair;
+        a float bias's masked copy) larger than what the process may still allocate."""
+        if not (self.causal or self.rule is not None or self.mask is not None):
+            return
+        nb = max((self.rule.batch or 1 if self.rule is not None else 1, *self._dims(0)))
+        nh = max((self.rule.heads or 1 if self.rule is not None else 1, *self._dims(1)))
+        pairs = nb * nh * self.q_len * self.kv_len
+        per_pair = 1 + (2 if self.rule is not None else 0)
+        if self.bias is not None:
+            per_pair += self.bias.element_size()
+        limits.check(
+            pairs * per_pair,
+            device or "cpu",
+            f"the mask would be materialised as a dense (B|1, H|1, Nq, Nk) = "
+            f"{(nb, nh, self.q_len, self.kv_len)} tensor",
+            "Use backend='auto', 'tiled' or 'cpu', which evaluate the mask tile by tile and skip "
+            "the empty tiles, or a shorter sequence",
+        )
+
+    def _dims(self, i: int) -> tuple[int, ...]:
+        return tuple(t.shape[i] for t in (self.mask, self.bias) if t is not None)
 
     def attn_mask(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         """The pairs as one mask tensor, in the form torch SDPA's `attn_mask` takes: the

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from . import limits
 from .dropout import keep_mask, keep_scale
 from .numerics import all_finite, weighted_values
 from .plan import AttentionPlan, from_4d, make_plan, to_4d
@@ -36,38 +37,35 @@ class Steps:
     lse: torch.Tensor  # log Σ_j exp(S_scaled[i, j]); −inf for a fully masked row, (…, Nq)
 
 
-# Nq×Nk tensors the formula holds at once: S, S_scaled, exp(S_scaled − m), A and a temporary.
+# Nq×Nk tensors the formula holds at once: S, S_scaled, exp(S_scaled − m), A and a temporary
+# (`steps`, and any call autograd records: each intermediate is kept or saved for the backward).
 SCORE_COPIES = 5
+# The same without a gradient, where only the output, lse and weights are wanted (`lean`): one
+# score matrix worked on in place, and a temporary (a score modifier's result, the weights kept
+# beside their dropped copy, the dense mask).
+LEAN_COPIES = 2
+DROPOUT_CHUNK = 1 << 22  # score elements whose dropout mask is drawn at once (int64 temporaries)
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory a new allocation can take on `device` (Linux MemAvailable on the CPU, the free
-    memory of a CUDA device), or None where that is unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-    return None
+    """Memory a new allocation can take on `device` (`qkv.limits`: the process's cgroup limit,
+    RLIMIT_AS or MemAvailable on the CPU; the free memory of a CUDA device), or None."""
+    return limits.available_bytes(device)
 
 
-def check_fits(plan: AttentionPlan, device: torch.device) -> None:
-    """Raise MemoryError, before allocating, when the formula's Nq×Nk matrices cannot fit."""
+def check_fits(plan: AttentionPlan, device: torch.device, copies: int = SCORE_COPIES) -> None:
+    """Raise `qkv.limits.MemoryRefusal` (a MemoryError), before allocating, when the formula's
+    Nq×Nk matrices cannot fit in what this process may still allocate."""
     elt = torch.empty((), dtype=plan.compute_dtype).element_size()
-    need = plan.batch * plan.heads * plan.q_len * plan.kv_len * elt * SCORE_COPIES
-    free = available_bytes(device)
-    if free is not None and need > free:
-        shape = (plan.batch, plan.heads, plan.q_len, plan.kv_len)
-        raise MemoryError(
-            f"the reference formula builds the full (B, H, Nq, Nk) = {shape} score matrix "
-            f"{SCORE_COPIES} times over: about {need / 2**30:.1f} GiB, and {device} has "
-            f"{free / 2**30:.1f} GiB available. Use backend='tiled' or 'auto' (O(N) memory)"
-        )
+    need = plan.batch * plan.heads * plan.q_len * plan.kv_len * elt * copies
+    shape = (plan.batch, plan.heads, plan.q_len, plan.kv_len)
+    limits.check(
+        need,
+        device,
+        f"the reference formula builds the full (B, H, Nq, Nk) = {shape} score matrix "
+        f"{copies} times over",
+        "Use backend='tiled' or 'auto' (O(N) memory), or a shorter sequence",
+    )
 
 
 def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Steps:
@@ -91,7 +89,8 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         h = torch.arange(H, device=q.device).view(1, H, 1, 1)
         pos = torch.arange(Nq, device=q.device).view(Nq, 1) + plan.pairs.causal_offset
         S_scaled = plan.score_mod(S_scaled, b, h, pos, torch.arange(Nk, device=q.device))
-    allowed = plan.pairs.dense(q.device)
+    # Nothing to mask in an empty problem (and a size-0 bool mask has no entry to index).
+    allowed = plan.pairs.dense(q.device) if S_scaled.numel() else None
     if allowed is not None:
         S_scaled = torch.where(allowed, S_scaled, -torch.inf)
 
@@ -121,6 +120,80 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     out = weighted_values(A_dropped.reshape(B, Hkv, G, Nq, Nk), v5, v_finite)
     out = out.reshape(B, H, Nq, plan.v_dim).to(plan.dtype)
     return Steps(S=S, S_scaled=S_scaled, A=A, A_dropped=A_dropped, out=out, lse=lse)
+
+
+def forward(
+    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`(out, lse, weights)` of the formula on canonical 4-D tensors (weights: A in the input
+    dtype when `plan.return_weights`, else None), bit for bit those of `compute`. Where autograd
+    records (a gradient will be taken) it is `compute`; otherwise the lean path: one score
+    matrix, masked, exponentiated and normalised in place (LEAN_COPIES instead of
+    SCORE_COPIES), the dropout mask drawn a band of rows at a time."""
+    if _records_grad(plan, q, k, v):
+        st = compute(plan, q, k, v)
+        return st.out, st.lse, st.A.to(plan.dtype) if plan.return_weights else None
+    return _lean(plan, q, k, v)
+
+
+def _records_grad(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    params = plan.score_mod.params if plan.score_mod is not None else ()
+    return any(t is not None and t.requires_grad for t in (q, k, v, plan.pairs.bias, *params))
+
+
+def _lean(
+    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`forward` without autograd: `compute`'s operations, in its order, in place."""
+    check_fits(plan, q.device, LEAN_COPIES)
+    B, H, Hkv, G = plan.batch, plan.heads, plan.kv_heads, plan.groups
+    Nq, Nk = plan.q_len, plan.kv_len
+    cdt = plan.compute_dtype
+    q5 = q.to(cdt).reshape(B, Hkv, G, Nq, plan.head_dim)  # (B, Hkv, G, Nq, D)
+    k5 = k.to(cdt).unsqueeze(2)  # (B, Hkv, 1, Nk, D)
+    v5 = v.to(cdt).unsqueeze(2)  # (B, Hkv, 1, Nk, Dv)
+
+    s = (q5 @ k5.transpose(-1, -2)).reshape(B, H, Nq, Nk).mul_(plan.scale)  # (B, H, Nq, Nk)
+    if plan.pairs.bias is not None:  # a −inf excludes the pair, whatever its score (even NaN)
+        bias = plan.pairs.bias.to(cdt)
+        s.add_(bias).masked_fill_(torch.isneginf(bias), -torch.inf)
+    if plan.score_mod is not None:
+        b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+        h = torch.arange(H, device=q.device).view(1, H, 1, 1)
+        pos = torch.arange(Nq, device=q.device).view(Nq, 1) + plan.pairs.causal_offset
+        s = plan.score_mod(s, b, h, pos, torch.arange(Nk, device=q.device))
+    allowed = plan.pairs.dense(q.device) if s.numel() else None
+    if allowed is not None:
+        s.masked_fill_(~allowed, -torch.inf)
+
+    m = s.amax(dim=-1, keepdim=True) if Nk > 0 else s.new_full((B, H, Nq, 1), -torch.inf)
+    m = torch.where(torch.isneginf(m), 0.0, m)  # a fully masked row: exp(−inf − 0) = 0
+    e = s.sub_(m).exp_()
+    den = e.sum(dim=-1, keepdim=True)
+    empty = den == 0
+    A = e.div_(torch.where(empty, 1.0, den))
+    lse = torch.where(empty, -torch.inf, torch.log(torch.where(empty, 1.0, den)) + m).squeeze(-1)
+    if cdt != torch.float64:
+        lse = lse.float()
+    weights = A.to(plan.dtype) if plan.return_weights else None
+
+    A_dropped = A
+    if plan.dropout_p > 0:
+        if weights is not None and plan.dtype == cdt:
+            A_dropped = A.clone()  # the weights are A itself
+        bh = torch.arange(B * H, device=q.device).reshape(B, H, 1, 1)
+        rows = torch.arange(Nq, device=q.device).unsqueeze(1)
+        cols = torch.arange(Nk, device=q.device)
+        band = max(1, DROPOUT_CHUNK // max(1, B * H * Nk))
+        for r0 in range(0, Nq, band):
+            keep = keep_mask(plan.dropout_seed, plan.dropout_p, bh, rows[r0 : r0 + band], cols)
+            part = A_dropped[..., r0 : r0 + band, :]
+            part.mul_(keep_scale(plan.dropout_p)).masked_fill_(~keep, 0.0)
+
+    out = weighted_values(A_dropped.reshape(B, Hkv, G, Nq, Nk), v5, all_finite(v))
+    return out.reshape(B, H, Nq, plan.v_dim).to(plan.dtype), lse, weights
 
 
 def steps(

@@ -99,13 +99,11 @@ def release_freed_memory() -> None:
 
 
 def available_mib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    """MiB this process may still allocate (`qkv.limits`: cgroup, RLIMIT_AS, MemAvailable)."""
+    from ..limits import available_bytes
+
+    free = available_bytes("cpu")
+    return None if free is None else free / 2**20
 
 
 # --------------------------------------------------------------------------- methods

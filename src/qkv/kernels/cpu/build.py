@@ -101,8 +101,11 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_root() -> Path:
-    if os.environ.get("QKV_CACHE_DIR"):
-        return Path(os.environ["QKV_CACHE_DIR"])
+    """`$QKV_CACHE_DIR` (`~` expanded, a relative path resolved against the working directory
+    and made absolute, so that every working directory shares one build), else
+    `$XDG_CACHE_HOME/qkv`, else `~/.cache/qkv`."""
+    if os.environ.get("QKV_CACHE_DIR", "").strip():
+        return Path(os.environ["QKV_CACHE_DIR"].strip()).expanduser().absolute()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "qkv"
 
@@ -126,9 +129,25 @@ def _sources_hash() -> str:
     return h.hexdigest()[:16]
 
 
+PIN_ENV = "QKV_CPU_PIN"  # read by the kernel at every call (csrc/placement.h): "0" turns it off
+
+
+def _flag(env: str, unset: str) -> str:
+    """A 0/1 switch's value (`unset` when empty); any other value is warned about once and
+    read as `unset`."""
+    raw = os.environ.get(env, "").strip()
+    if raw in ("0", "1"):
+        return raw
+    if raw:
+        from .isa import warn_once  # isa imports nothing of qkv
+
+        warn_once(env, raw, f"{env}={raw!r} is neither 0 nor 1; read as {unset}")
+    return unset
+
+
 def sanitized() -> bool:
     """Whether this process builds and loads the sanitizer build (`QKV_CPU_SANITIZE=1`)."""
-    return os.environ.get(SANITIZE_ENV, "").strip() == "1"
+    return _flag(SANITIZE_ENV, "0") == "1"
 
 
 def _cflags() -> tuple[str, ...]:
@@ -255,6 +274,7 @@ def load(build: bool = True, force: bool = False, verbose: bool = False, retry: 
         return _ops
     if _error is not None and not (force or retry):
         raise KernelUnavailable(_error)
+    _flag(PIN_ENV, "1")  # the kernel reads it; a value it would misread is named here, once
     folder = build_dir()
     if not force and _verified(folder):
         try:

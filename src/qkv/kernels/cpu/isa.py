@@ -8,12 +8,15 @@ default the widest one the CPU has runs, except that `avx512bf16` is the default
 only (Zen 4 and 5 run its instruction at twice their float32 FMA rate, Intel's cores at half of
 it); the environment variable `QKV_CPU_ISA=amx|avx512bf16|avx512|avx2|portable` forces one
 (read at every call, so a test can switch paths), and `QKV_CPU_ISA=auto` (or unset) restores
-the default.
+the default. A value that names no path, or one this CPU lacks, is refused with the reason
+(`choose`), and warned about once per value (`QkvSettingWarning`): `auto` then runs another
+backend instead of the compiled kernel.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 ISAS = ("amx", "avx512bf16", "avx512", "avx2", "portable")
 ENV = "QKV_CPU_ISA"
@@ -24,13 +27,36 @@ def requested() -> str:
     return os.environ.get(ENV, "").strip().lower() or "auto"
 
 
+class QkvSettingWarning(UserWarning):
+    """A `QKV_*` environment variable holds a value qkv cannot honour (it says which, once)."""
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_once(env: str, value: str, message: str) -> None:
+    """Warn once per (variable, value) in this process."""
+    if (env, value) not in _WARNED:
+        _WARNED.add((env, value))
+        warnings.warn(message, QkvSettingWarning, stacklevel=3)
+
+
 def choose(ops) -> tuple[str | None, str | None]:
-    """`(isa, None)` for the path to run, or `(None, reason)` when the requested one cannot."""
+    """`(isa, None)` for the path to run, or `(None, reason)` when the requested one cannot
+    (also warned once per value: the compiled kernel stays off while it is set)."""
     want = requested()
     if want == "auto":
         return str(ops.best_isa()), None
     if want not in ISAS:
-        return None, f"{ENV}={want!r} is not one of auto, {', '.join(ISAS)}"
-    if not ops.isa_supported(want):
-        return None, f"{ENV}={want} but this CPU lacks the instructions of that path"
-    return want, None
+        reason = f"{ENV}={want!r} is not one of auto, {', '.join(ISAS)}"
+    elif not ops.isa_supported(want):
+        reason = f"{ENV}={want} but this CPU lacks the instructions of that path"
+    else:
+        return want, None
+    warn_once(
+        ENV,
+        want,
+        f"{reason}: qkv's compiled CPU kernel will not run while it is set "
+        f"(backend='auto' uses another backend); unset it or set {ENV}=auto",
+    )
+    return None, reason

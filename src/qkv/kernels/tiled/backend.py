@@ -28,6 +28,12 @@ from .steps import (
     forward_loop,
 )
 
+# A tiling whose products are narrower than the default's folds a row's keys in more online-
+# softmax steps, each a rounding of the float32 accumulator: past NARROW_STEPS of them the
+# error outgrows FlashAttention's rule (2× the reference's error; 1-key products on identical
+# keys miss it from a few hundred keys on). Such a tiling refuses those float32 requests.
+NARROW_STEPS = 64
+
 _NO_FUNC = (
     "torch.func transforms (grad, vmap, jacrev, ...) over a score modifier on the tiled backend "
     "are not supported (its backward reuses buffers a transform cannot write into); use "
@@ -142,7 +148,22 @@ class TiledBackend:
             and torch.is_grad_enabled()
         ):
             return "tiled does not differentiate a float mask (it requires grad)"
-        return None
+        return self._too_narrow(plan)
+
+    def _too_narrow(self, plan: AttentionPlan) -> str | None:
+        """Why this tiling's products are too narrow for a float32 request (see NARROW_STEPS)."""
+        bk = self.block_k
+        width = max(bk, (self.max_cols // bk) * bk)  # keys one product spans (layout._strips)
+        steps = -(-plan.kv_len // width)
+        if plan.dtype != torch.float32 or width >= MAX_COLS or steps <= NARROW_STEPS:
+            return None
+        return (
+            f"this tiling's products span {width} keys (block_k={bk}, max_cols={self.max_cols}), "
+            f"so a row folds its {plan.kv_len} keys in {steps} float32 online-softmax steps, "
+            f"more than the {NARROW_STEPS} within which the error stays within 2x the "
+            f"reference's; use max_cols >= {-(-plan.kv_len // NARROW_STEPS)} (the default is "
+            f"{MAX_COLS}), the default tiling (backend='tiled') or float64 inputs"
+        )
 
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
