@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -34,6 +35,41 @@ USAGE_ERROR, FAILED, INTERRUPTED = 2, 1, 130
 MISSING_PACKAGE = FAILED
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 LANG_HELP = "en or zh (Chinese): the language of help and errors"
+
+
+# what the commands say about the files they wrote, in each language
+SAID = {
+    "en": {
+        "page": "\npage: {path} (open it in a browser)",
+        "weights": "weights: {path}",
+        "pictures": "pictures: {paths}",
+        "sep": ", ",
+        "note": "note: {note}",
+        "viewer": "viewer:   {path} (open it in a browser)",
+        "interrupted": "(interrupted: {n} runs measured before Ctrl-C; they are kept)",
+        "measurements": "measurements: {path}",
+        "plot": "plot: {path}",
+    },
+    "zh": {
+        "page": "\n网页：{path}（用浏览器打开）",
+        "weights": "权重：{path}",
+        "pictures": "图：{paths}",
+        "sep": "、",
+        "note": "注意：{note}",
+        "viewer": "查看器：{path}（用浏览器打开）",
+        "interrupted": "（已中断：Ctrl-C 之前测完的 {n} 次运行已保留）",
+        "measurements": "测量结果：{path}",
+        "plot": "图：{path}",
+        # the text's own CJK words in the figures (`qkv.inspect.figures.CJK_HINT`)
+        "cjk": "没有找到 CJK 字体，所以图中的中日韩文字会显示为方框；安装一个即可"
+        "（Debian/Ubuntu：apt-get install fonts-noto-cjk）",
+    },
+}
+
+
+def _said(lang: str, key: str, **values: object) -> str:
+    """What a command says (`SAID`) in `lang`."""
+    return SAID[lang if lang in SAID else "en"][key].format(**values)
 
 
 class _Refused(Exception):
@@ -135,7 +171,7 @@ def _explain(args: argparse.Namespace) -> None:
         raise _Refused(str(e)) from None
     print(text)
     if args.html:
-        print(f"\npage: {args.html} (open it in a browser)")
+        print(_said(args.lang, "page", path=args.html))
 
 
 # --------------------------------------------------------------------------- attend
@@ -200,27 +236,55 @@ def _attend(args: argparse.Namespace) -> None:
             say("\n".join(question_lines(amap, word, args.target, lang=args.lang)))
     except AttendError as e:
         raise _Refused(str(e)) from None
+    lang = args.lang
     if args.json:
         write_json(amap.to_dict(), args.json)
         if args.json != STDOUT:
-            say(f"weights: {args.json}")
+            say(_said(lang, "weights", path=args.json))
     if out is not None:
-        from .inspect.figures import attention_grid, cjk_note, rollout_figure, token_heads
+        from .inspect.figures import (
+            FontWarning,
+            attention_grid,
+            cjk_note,
+            font_note,
+            rollout_figure,
+            token_heads,
+        )
         from .inspect.viewer import write_viewer
 
         out.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() else "_" for c in word.lower())
         pictures = [out / "attention-grid.png", out / f"attention-{safe}.png"]
         pictures.append(out / f"attention-{safe}-rollout.png")
-        attention_grid(amap, pictures[0])
-        token_heads(amap, word, pictures[1])
-        rollout_figure(amap, word, pictures[2])
-        write_viewer(amap, out / "viewer.html", lang=args.lang)
-        say(f"pictures: {', '.join(str(p) for p in pictures)}")
-        note = cjk_note(amap.words)
-        if note:
-            say(f"note: {note}")
-        say(f"viewer:   {out / 'viewer.html'} (open it in a browser)")
+        with warnings.catch_warnings():  # no CJK font: said once below, as a note
+            warnings.simplefilter("ignore", FontWarning)
+            attention_grid(amap, pictures[0], lang=lang)
+            token_heads(amap, word, pictures[1], lang=lang)
+            rollout_figure(amap, word, pictures[2], lang=lang)
+        layer, head = _viewer_head(amap, word, args)
+        write_viewer(amap, out / "viewer.html", lang=lang, word=word, layer=layer, head=head)
+        say(_said(lang, "pictures", paths=_said(lang, "sep").join(str(p) for p in pictures)))
+        notes = [font_note(lang)]
+        if cjk_note(amap.words):  # the text's own words (their labels: `font_note`)
+            notes.append(_said(lang, "cjk") if lang == "zh" else cjk_note(amap.words))
+        for note in filter(None, notes):
+            say(_said(lang, "note", note=note))
+        say(_said(lang, "viewer", path=out / "viewer.html"))
+
+
+def _viewer_head(amap, word: str, args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """The layer and head the viewer opens on, the word selected: the one asked for with
+    `--layer` (`--head`); else, with `--target`, the head most specific to the word → target
+    (the answer printed); else the first of the summary's most focused heads."""
+    if args.layer is not None:
+        return args.layer, args.head
+    if args.target:
+        from .inspect.specific import specific_head
+
+        best = specific_head(amap, word, args.target)
+        return best.layer, best.head
+    top = amap.focused_heads(word, 1)
+    return (top[0][0].layer, top[0][0].head) if top else (None, None)
 
 
 # --------------------------------------------------------------------------- bench
@@ -282,17 +346,21 @@ def _bench(args: argparse.Namespace) -> None:
         if not records:
             raise
         interrupted = True
-        say(f"(interrupted: {len(records)} runs measured before Ctrl-C; they are kept)")
-    say(bench.table(records))
+        say(_said(args.lang, "interrupted", n=len(records)))
+    say(bench.table(records, lang=args.lang))
     if args.json:
         write_json(bench.report(records, sizes, complete=not interrupted), args.json, indent=1)
         if args.json != STDOUT:
-            say(f"measurements: {args.json}")
+            say(_said(args.lang, "measurements", path=args.json))
     if args.png:
-        from .inspect.figures import cost_plot
+        from .inspect.figures import FontWarning, cost_plot, font_note
 
-        cost_plot(records, args.png)
-        say(f"plot: {args.png}")
+        with warnings.catch_warnings():  # no CJK font: said once below, as a note
+            warnings.simplefilter("ignore", FontWarning)
+            cost_plot(records, args.png, lang=args.lang)
+        say(_said(args.lang, "plot", path=args.png))
+        if note := font_note(args.lang):
+            say(_said(args.lang, "note", note=note))
     if interrupted:
         raise KeyboardInterrupt
 
@@ -436,13 +504,19 @@ COMMANDS: dict[str, Command] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser, its errors in the command's language (`lang`: en or zh)."""
+    """argparse's parser, its errors in the command's language (`lang`: en or zh). A command
+    may set `required_message`: what to say instead of argparse's "the following arguments are
+    required: ..." (`qkv lab` lists its labs)."""
+
+    required_message: str | None = None
 
     def __init__(self, *args, lang: str = "en", **kwargs):
         super().__init__(*args, **kwargs)
         self.lang = lang
 
     def error(self, message: str):
+        if self.required_message and message.startswith("the following arguments are required"):
+            message = self.required_message
         if self.lang == "zh":
             self.print_usage(sys.stderr)
             self.exit(USAGE_ERROR, f"{self.prog}: {WORDS['error']}：{cli_zh.error(message)}\n")

@@ -155,6 +155,10 @@ ERRORS: list[tuple[str, str]] = [
     (r"could not write(.*?): (.+)", "无法写入{0}：{1}"),
     # the commands' refusals
     (r"--head needs --layer", "--head 需要同时给出 --layer"),
+    (
+        r"qkv lab needs a lab's name: (\S+), (\S+) or (\S+) \(e\.g\. (.+)\)",
+        "qkv lab 需要实验的名字：{0}、{1} 或 {2}（例如 {3}）",
+    ),
     (r"unknown method (.+); choose from (.+)", "未知的方法 {0}；可选：{1}"),
     (r"nothing to tune: (.+)", "没有可调的内容：{0}"),
     (
@@ -169,11 +173,11 @@ ERRORS: list[tuple[str, str]] = [
     (r"the text has no words", "文本中没有词"),
     (
         r"layer (\d+) is out of range; the model has layers (.+)",
-        "第 {0} 层超出范围；模型的层编号为 {1}",
+        "层 {0} 超出范围；模型的层编号为 {1}",
     ),
     (
         r"head (\d+) is out of range; each layer has heads (.+)",
-        "第 {0} 个头超出范围；每层的头编号为 {1}",
+        "头 {0} 超出范围；每层的头编号为 {1}",
     ),
     (
         r"a walk-through with (.+) needs about (.+) \(.*\), but only (.+) of memory is "

@@ -205,7 +205,7 @@ def test_demo_writes_its_report(minilm, tmp_path, monkeypatch):
 def test_explain_html_writes_the_page_you_can_touch(tmp_path, capsys):
     page = tmp_path / "f.html"
     assert main(["explain", "--html", str(page), "--dk", "16", "--seed", "3", "--lang", "zh"]) == 0
-    assert f"page: {page}" in capsys.readouterr().out
+    assert f"网页：{page}（用浏览器打开）" in capsys.readouterr().out
     text = page.read_text(encoding="utf-8")
     assert "window.qkvFormulaReady" in text and '"dk": 16' in text and '"seed": 3' in text
     assert main(["explain", "--html", str(tmp_path / "no" / "f.html")]) == 2
@@ -237,3 +237,82 @@ def test_demo_in_chinese_writes_its_report_and_pages_in_chinese(minilm, tmp_path
         assert '"lang": "zh"' in (index.parent / name).read_text(encoding="utf-8"), name
     for link in re.findall(r'(?:href|src)="([^"#][^"]*)"', page):
         assert (index.parent / link).stat().st_size > 0, link
+
+
+# --------------------------------------------------------------------------- in a language
+
+
+def _opening(path) -> dict:
+    from .test_viewer import _embedded
+
+    return _embedded(path.read_text(encoding="utf-8"))["open"]
+
+
+def test_attend_opens_the_viewer_on_the_question(minilm, cat_map, tmp_path, capsys, monkeypatch):
+    from qkv.inspect import figures
+    from qkv.inspect.viewer import opening
+
+    for name in ("attention_grid", "token_heads", "rollout_figure"):  # the viewer is tested
+        monkeypatch.setattr(figures, name, lambda *_, **__: None)
+    out = tmp_path / "a"
+    assert main(["attend", "--token", "it", "--target", "cat", "--out", str(out)]) == 0
+    best = specific_head(cat_map, "it", "cat")
+    assert _opening(out / "viewer.html") == opening(cat_map, "it", best.layer, best.head)
+    assert main(["attend", "--word", "it", "--out", str(out), "--lang", "zh"]) == 0
+    (top, _), *_ = cat_map.focused_heads("it", 1)  # the first of "the most focused heads"
+    assert _opening(out / "viewer.html") == opening(cat_map, "it", top.layer, top.head)
+    assert '"lang": "zh"' in (out / "viewer.html").read_text(encoding="utf-8")
+    capsys.readouterr()
+
+
+RECORDS = [
+    {"method": m, "pass": p, "n": n, "time_s": 1e-9 * n * n, "peak_mib": 1e-6 * n * n, "note": ""}
+    for m in ("naive", "tiled", "sdpa", "window")
+    for p in ("forward", "forward+backward")
+    for n in (64, 128)
+]
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_the_demo_draws_its_figures_and_table_in_its_language(minilm, tmp_path, monkeypatch, lang):
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from qkv.inspect import bench, demo, figures
+    from qkv.labs import rnn
+
+    tiny_labs(monkeypatch)
+    drawn, tables = [], []
+
+    def recorder(name):
+        def draw(*_, lang="en", **__):
+            drawn.append((name, lang))
+            warnings.warn("no CJK font", figures.FontWarning, stacklevel=2)
+
+        return draw
+
+    for name in ("attention_grid", "token_heads", "cost_plot"):
+        monkeypatch.setattr(demo, name, recorder(name))
+    monkeypatch.setattr(rnn, "figure", recorder("lab rnn"))
+    table = bench.table
+    monkeypatch.setattr(
+        bench, "table", lambda recs, lang="en": tables.append(lang) or table(recs, lang)
+    )
+    monkeypatch.setattr(bench, "iter_measure", lambda *_, **__: iter(RECORDS))
+    note = "没有找到 CJK 字体，所以要求用中文的图改用英文标注"
+    monkeypatch.setattr(demo, "font_note", lambda lang: note if lang == "zh" else None)
+    lines: list[str] = []
+    r = demo.Report(tmp_path, bench.QUICK, False, lines.append, lang=lang)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        demo._attend(r)
+        demo._cost(r)
+        demo._lab("rnn")(r)
+    page = demo.page(r, 1.0)
+    assert sorted(drawn) == sorted(
+        (name, lang) for name in ("attention_grid", "token_heads", "cost_plot", "lab rnn")
+    )
+    assert tables == [lang]
+    assert not [w for w in seen if issubclass(w.category, figures.FontWarning)]
+    said = [line for line in lines if note in line]
+    assert len(said) == (1 if lang == "zh" else 0) and (note in page) == (lang == "zh")

@@ -126,7 +126,11 @@ def test_a_word_not_in_the_text_in_chinese(minilm, capsys):
     code, zh = _run(["attend", "--token", "dog", "--no-files", "--lang", "zh"], capsys)
     assert code == 2 and zh.startswith("qkv attend: 错误：文本中没有词 'dog'；文本中的词有：")
     code, zh = _run(["attend", "--layer", "6", "--no-files", "--lang", "zh"], capsys)
-    assert code == 2 and zh == "qkv attend: 错误：第 6 层超出范围；模型的层编号为 0..5"
+    assert code == 2 and zh == "qkv attend: 错误：层 6 超出范围；模型的层编号为 0..5"
+    code, zh = _run(
+        ["attend", "--layer", "0", "--head", "12", "--no-files", "--lang", "zh"], capsys
+    )
+    assert code == 2 and zh == "qkv attend: 错误：头 12 超出范围；每层的头编号为 0..11"
 
 
 def test_a_missing_package_is_named_in_chinese(monkeypatch, capsys):

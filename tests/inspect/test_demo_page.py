@@ -107,7 +107,7 @@ def test_the_page_has_a_table_of_contents_that_names_each_section(tmp_path):
     assert titles[0] == "The formula, step by step" and len(titles) == 6
     assert "<nav" in page and '<meta name="viewport"' in page
     zh = demo.page(_report(tmp_path, "zh", wide=False), 12.0)
-    assert "<b>目录</b>" in zh and "<h2>1. 公式，一步一步</h2>" in zh
+    assert "<b>目录</b>" in zh and "<h2>1. 逐步演算公式</h2>" in zh
 
 
 def test_the_flash_walk_follows_the_cost_and_every_sentence_is_in_both_languages():
@@ -160,10 +160,8 @@ def test_the_last_line_is_in_the_reports_language(tmp_path, monkeypatch, lang):
 def test_the_backends_check_names_return_lse_in_chinese():
     zh = demo.backends_check(n=32, lang="zh")
     picks = [line for line in zh.splitlines() if "`auto`" in line]
-    assert picks == [
-        "`auto` 选了哪个后端，为什么（理由由 qkv.dispatch 给出，为英文）：",
-        "return_lse=True 时，`auto` 选了哪个后端，为什么（理由由 qkv.dispatch 给出，为英文）：",
-    ]
+    why = "`auto` 选了哪个后端，为什么（下面的理由来自 qkv.dispatch，只有英文）："
+    assert picks == [why, f"return_lse=True 时，{why}"]
     assert "with return_lse" not in zh
     assert "What `auto` picks with return_lse=True and why:" in demo.backends_check(n=32)
 

@@ -96,7 +96,7 @@ def test_the_page_is_the_formula_and_every_control_works(tmp_path):
         assert page.inner_text("#seed") == "seed 1"
 
         page.select_option("#lang", "zh")
-        assert page.inner_text("#title").startswith("缩放点积注意力")
+        assert page.inner_text("#title").startswith("逐步演算缩放点积注意力")
         assert page.inner_text("#l-causal") == "因果掩码"
         assert page.evaluate("document.documentElement.lang") == "zh"
         page.screenshot(path=str(tmp_path / "zh.png"))
@@ -144,7 +144,7 @@ def test_the_sliders_ends_say_what_they_mean_in_both_languages(tmp_path):
         assert _ends(page) == ("1 (no scaling)", "1/√d_k")
         page.select_option("#lang", "zh")
         assert _ends(page) == ("1（不缩放）", "1/√d_k")
-        assert page.title() == "qkv：缩放点积注意力，一步一步"
+        assert page.title() == "qkv：逐步演算缩放点积注意力"
         browser.close()
     assert errors == []
 

@@ -222,7 +222,7 @@ def test_a_laptop_screen_shows_every_head_numbered_with_a_legend_and_the_unk_not
         assert page.inner_text("#title") == "每个词看向哪里？"
         assert "9 个词里有 3 个变成了 [UNK]" in page.inner_text("#note")
         page.click('#lines text[data-side=from][data-i="6"]')
-        assert page.inner_text("#selected").startswith("“it”（第 6 个词）看向：第 0 层，第 0 个头")
+        assert page.inner_text("#selected").startswith("“it”（编号 6 的词）看向：层 0，头 0")
         assert page.inner_text("#legend").startswith("权重 0")
         page.screenshot(path=str(tmp_path / "laptop-zh.png"))
         browser.close()
@@ -449,10 +449,10 @@ def test_the_new_modes_speak_chinese(tmp_path):
         assert (page.inner_text("#chips-all"), page.inner_text("#chips-none")) == ("全部", "全不选")
         assert page.inner_text("#readout").startswith("点击头的色块隐藏或显示它")
         page.hover("#chips .chip[data-head='2']")
-        assert page.inner_text("#readout") == "第 2 个头：点击一个词查看它的连线"
+        assert page.inner_text("#readout") == "头 2：点击一个词查看它的连线"
         page.click('#lines text[data-side=from][data-i="1"]')
         k = _links(page)[0]  # the strongest link: another head's may lie over its middle
-        m = re.match(r"^第 (\d+) 个头：猫 → (\S+)：(\d\.\d{3})$", _readout_at(page, k))
+        m = re.match(r"^头 (\d+)：猫 → (\S+)：(\d\.\d{3})$", _readout_at(page, k))
         assert m, page.inner_text("#readout")
         assert m[3] in _three_decimals(amap.weights[0, int(m[1]), 1, words.index(m[2])].item())
         browser.close()
@@ -548,7 +548,7 @@ def test_the_viewer_opens_on_the_question_it_was_given(tmp_path):
 
         browser, page, errors = _open(p, chromium, zh)
         assert (page.input_value("#layer"), page.input_value("#head")) == ("3", "1")
-        assert page.inner_text("#selected").startswith("“it”（第 7 个词）看向：第 3 层，第 1 个头")
+        assert page.inner_text("#selected").startswith("“it”（编号 7 的词）看向：层 3，头 1")
         numbering = "层、头和词都从 0 开始编号，与 qkv attend 的输出一致。"
         assert page.inner_text("#numbering") == numbering
         labels = page.eval_on_selector_all(".head-lab", "ls => ls.map(l => l.textContent)")

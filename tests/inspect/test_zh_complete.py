@@ -18,6 +18,7 @@ import torch
 from qkv.cli_zh import error as zh_error
 from qkv.inspect import bench
 from qkv.inspect.attend import AttentionMap
+from qkv.inspect.text import columns
 from qkv.labs import command, common, routing, scale
 from qkv.vision import report
 
@@ -78,6 +79,22 @@ def ascii_punctuation(text: str) -> list[str]:
     """ASCII `,`, `:` or `;` next to a Chinese character, or ASCII parentheses around Chinese
     (fullwidth ，：；（） belong there)."""
     return [m[0] for m in PUNCT.finditer(text)]
+
+
+# a 0-based number (layer, head, word, row, split) said as an ordinal: "第 3 层", "第 {h} 个头"
+ORDINAL = re.compile(r"第 ?(?:\d+|\{\w+\})(?:[–-]\d+)? ?(?:层|个头|个词|行|段)")
+SPACED_QUOTE = re.compile(r"[\u4e00-\u9fff] “|” [\u4e00-\u9fff]")
+
+
+def ordinals(text: str) -> list[str]:
+    """0-based numbers written as ordinals (第 N 层/个头/个词/行/段): they are labels (层 3 头 1);
+    `第 N` is for 1-based counts (第 3 步)."""
+    return ORDINAL.findall(text)
+
+
+def spaced_quotes(text: str) -> list[str]:
+    """A space between Chinese quotes and a Chinese character (“it”把, not “it” 把)."""
+    return SPACED_QUOTE.findall(text)
 
 
 def assert_chinese(text: str, surface: str, names: tuple[str, ...] = ()) -> None:
@@ -187,6 +204,8 @@ def _rnn_doc() -> dict:
             "attention_acc": 1.0,
             "lstm_acc_by_seed": [0.9, 0.8],
             "attention_acc_by_seed": [1.0, 1.0],
+            "lstm_dependence": 0.3 / 10**i,
+            "attention_dependence": 5.0,
         }
         for i, d in enumerate((1, 3, 7))
     ]
@@ -414,3 +433,236 @@ def test_qkv_tokens_plot_says_a_missing_font_once_as_a_note(monkeypatch, tmp_pat
     out = capsys.readouterr().out
     assert out.startswith("图：") and out.count("注意：没有找到 CJK 字体") == 1, out
     assert not seen, [str(w.message) for w in seen]
+
+
+# --------------------------------------------------------------------------- the inspection
+# surfaces: qkv explain (and --flash), the demo's sentences, qkv attend, the pages' strings
+
+
+def assert_zh(text: str, surface: str, names: tuple[str, ...] = ()) -> None:
+    """`assert_chinese`, and 0-based numbers as labels, and no space around Chinese quotes."""
+    assert_chinese(text, surface, names)
+    assert not ordinals(text), f"{surface}: 0-based numbers as ordinals: {ordinals(text)}"
+    assert not spaced_quotes(text), f"{surface}: spaces around quotes: {spaced_quotes(text)}"
+
+
+def test_the_checks_catch_ordinals_and_spaced_quotes():
+    assert ordinals("第 3 层第 1 个头，查询块 0：第 0–1 行（第 2 段）") == [
+        "第 3 层",
+        "第 1 个头",
+        "第 0–1 行",
+        "第 2 段",
+    ]
+    assert ordinals("第 {h} 个头") and not ordinals("第 3 步，排第 2 位；层 3 头 1")
+    assert spaced_quotes("句子 “the cat”。") and spaced_quotes("“it” 把")
+    assert not spaced_quotes("“it”把注意力放在“cat”上；“it” → “cat” 0.49")
+
+
+def test_qkv_explain_in_chinese_holds_no_english(capsys):
+    from qkv.cli import main
+
+    assert main(["explain", "--lang", "zh", "--n", "20", "--dk", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "（20×64：只显示四角；--full 可完整打印）" in out  # the corners note, in Chinese
+    assert "单个注意力头的开销" in out
+    assert_zh(out, "qkv explain --lang zh --dk 64")
+    assert main(["explain", "--lang", "zh", "--causal"]) == 0
+    assert_zh(capsys.readouterr().out, "qkv explain --lang zh --causal")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True}, {"window": 1, "n": 6}, {"n": 6, "tile": 3}],
+    ids=["dense", "causal", "window", "tile3"],
+)
+def test_qkv_explain_flash_in_chinese_says_0_based_rows_as_labels(options):
+    from qkv.inspect.flash_text import render_walk
+
+    zh = render_walk(lang="zh", **options)
+    assert_zh(zh, f"qkv explain --flash --lang zh {options}")
+    assert "查询块 0：行 0–1" in zh or "查询块 0：行 0–2" in zh
+    assert "第 1 步" in zh  # steps count from 1: an ordinal
+
+
+def test_the_flash_walks_splits_are_labels_in_chinese():
+    from qkv.inspect.explain import walkthrough
+    from qkv.inspect.flash import flash_steps
+    from qkv.inspect.flash_text import render_steps
+
+    w = walkthrough(n=8)
+    fs = flash_steps(w.Q, w.K, w.V, tile_q=2, tile_k=2, splits=2)
+    zh = render_steps(fs, "zh")
+    assert_zh(zh, "the flash walk with splits")
+    assert "（段 0）" in zh and "段 1（键块" in zh
+
+
+def test_the_flash_walks_chinese_lines_break_after_punctuation():
+    from qkv.inspect.flash_text import WIDTH, _wrap, render_walk
+
+    text = "甲" * 44 + "，" + "乙" * 10 + "。"  # the comma ends at column 90 of 96
+    lines = _wrap(text).splitlines()
+    assert lines == ["甲" * 44 + "，", "乙" * 10 + "。"]
+    for line in render_walk(lang="zh").splitlines():
+        assert columns(line) <= WIDTH or "[" in line, line
+        assert not line.endswith(("滚动最", "累")), line  # never inside a word
+
+
+def _demo_sentences(lang: str) -> str:
+    """Every sentence of the demo's report in `lang`, its values filled in."""
+    from qkv.inspect import demo
+
+    values = {
+        "text": "the cat sat on the mat because it was tired",
+        "layer": 3,
+        "head": 1,
+        "weight": 0.49,
+        "others": 0.12,
+        "command": "qkv lab rnn",
+        "json": "lab-rnn.json",
+        "state": demo.TEXT[lang]["state_done"],
+        "took": 95.0,
+        "machine": "x86_64",
+        "torch": "2.5.1",
+        "threads": 2,
+        "index": "/tmp/qkv-demo/index.html",
+        "label": "",
+        "note": "没有找到 CJK 字体",
+    }
+    texts = [v.format(**values) for v in demo.TEXT[lang].values()]
+    texts += [demo.CHECK[lang][k].format(n=1024, label="") for k in ("head", "picks")]
+    return re.sub(r"<[^>]+>", "", "\n".join(texts))
+
+
+def test_the_demos_sentences_are_chinese():
+    from qkv.inspect import chapter, demo
+
+    zh = _demo_sentences("zh")
+    names = ("Sparse Transformer", "qkv lab rnn", "qkv lab scale", "qkv lab routing")
+    names += ("the cat sat on the mat because it was tired",)  # the example, quoted
+    assert_zh(zh, "the demo's sentences", names)
+    assert "层 3 头 1（层和头都从 0 开始编号" in zh
+    assert "（下面的理由来自 qkv.dispatch，只有英文）" in zh
+    assert "滚动最大值 m、滚动和 l" in zh and "运行中" not in zh
+    assert "逐步演算公式" in zh and "逐步看 FlashAttention" in zh
+    assert "在 x86_64 上生成" in zh
+    for text in (chapter.long_context([], "zh"), chapter.visual_tokens("zh")):
+        assert_zh(text, "the chapter's texts", names)
+        assert "运行中" not in text
+    assert "每行维护滚动最大值和滚动和" in chapter.long_context([], "zh")
+    assert "2 个随机块（每块 128）" in chapter.long_context([], "zh")
+    assert_zh(chapter.transformer_block(lang="zh"), "the next chapter's block")
+    # the backends check, but for the dispatch's reasons (indented), English and said to be
+    check = demo.backends_check(n=32, lang="zh").splitlines()
+    said = [line for line in check if not line.startswith("  ") or "|out − golden|" in line]
+    assert len(said) == 7 and "  sdpa      最大误差 |out − golden| = " in said[2]
+    assert_zh("\n".join(said), "the backends check")
+
+
+def test_the_english_demo_sentences_are_unchanged():
+    en = _demo_sentences("en")
+    assert "layer 3 head 1 (numbered from 0, as printed below)" in en
+    assert "The formula, step by step" in en and "a running maximum m, a running sum l" in en
+    assert "Made by qkv demo in 95 s on x86_64, torch 2.5.1, 2 threads." in en
+
+
+def test_qkv_attends_answer_is_chinese(cat_map):
+    from qkv.inspect.attend import summary
+    from qkv.inspect.specific import question_lines
+
+    contrast = _contrast_map()
+    zh = "\n".join(
+        [
+            summary(cat_map, "it", lang="zh"),
+            *question_lines(
+                cat_map, "it", "cat", contrast=contrast, contrast_target="mat", lang="zh"
+            ),
+            summary(cat_map, "it", 5, 11, lang="zh"),
+        ]
+    )
+    sentences = (cat_map.text, contrast.text)  # quoted, as the user wrote them
+    names = (cat_map.model, *sentences, "attention sink")
+    assert_zh(zh, "qkv attend --lang zh", names)
+    assert "展开后 " in zh and "最集中的头（以及各自指向其他词的最强连接）" in zh
+
+
+def _contrast_map():
+    from qkv.inspect.attend import model_attention
+
+    return model_attention("The cat sat on the mat because it was dirty")
+
+
+def test_a_map_without_a_model_name_is_named_in_chinese():
+    from qkv.inspect.attend import summary
+
+    amap = _map()
+    amap = type(amap).from_weights(amap.weights, WORDS, text="the cat sat down", model="")
+    assert summary(amap, "cat", lang="zh").startswith("注意力（2 层 × 3 个头）")
+    assert summary(amap, "cat").startswith("attention (2 layers × 3 heads)")
+
+
+def test_qkv_attend_says_its_files_in_chinese(minilm, tmp_path, capsys):
+    from qkv.cli import main
+
+    out = tmp_path / "a"
+    argv = ["attend", "--lang", "zh", "--out", str(out), "--json", str(tmp_path / "w.json")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    said = printed.split("\n权重：", 1)[1]  # the lines after the answer
+    assert said.startswith(str(tmp_path / "w.json"))
+    assert "\n图：" in said and "\n查看器：" in said and "（用浏览器打开）" in said
+    assert_zh(said.replace(str(tmp_path), ""), "qkv attend --lang zh: its files")
+
+
+def _js_strings(page: str, lang: str) -> str:
+    """The strings of one language's table (`T.zh`) of a page's script, one a line."""
+    start = page.index(f"\n  {lang}: {{")
+    end = page.index("\n  },", start)
+    block = page[start:end]
+    strings = re.findall(r'\w+: "((?:[^"\\]|\\.)*)"', block)
+    return "\n".join(re.sub(r"\{\w+\}", "3", s) for s in strings)
+
+
+@pytest.mark.parametrize("name", ["viewer.html", "flash.html", "formula.html"])
+def test_the_pages_chinese_strings(name):
+    from importlib import resources
+
+    page = resources.files("qkv.inspect").joinpath(name).read_text(encoding="utf-8")
+    raw = page[page.index("\n  zh: {") : page.index("\n  },", page.index("\n  zh: {"))]
+    assert not ordinals(raw), ordinals(raw)  # placeholders too: 第 {h} 个头
+    zh = _js_strings(page, "zh")
+    names = ("Flash-Decoding",)
+    assert_zh(zh, f"{name}: its Chinese", names)
+    assert "一步一步" not in zh
+
+
+def test_the_cost_commands_lines_are_chinese(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from qkv.cli import main
+
+    def measured(*_, **__):
+        yield from ({**r, "note": ""} for r in _records())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "iter_measure", measured)
+    argv = ["bench", "--json", str(tmp_path / "b.json"), "--png", str(tmp_path / "b.png")]
+    assert main([*argv, "--lang", "zh"]) == 130
+    zh = capsys.readouterr().out
+    assert zh.startswith("（已中断：Ctrl-C 之前测完的 12 次运行已保留）")
+    assert "\n测量结果：" in zh and "\n图：" in zh and "斜率（时间）" in zh
+    assert_zh(zh.replace(str(tmp_path), ""), "qkv bench --lang zh")
+    assert main(argv) == 130
+    en = capsys.readouterr().out
+    assert en.startswith("(interrupted: 12 runs measured before Ctrl-C; they are kept)")
+    assert "\nmeasurements: " in en and "\nplot: " in en
+
+
+def test_qkv_explain_html_says_its_page_in_chinese(tmp_path, capsys):
+    from qkv.cli import main
+
+    page = tmp_path / "f.html"
+    assert main(["explain", "--html", str(page), "--lang", "zh"]) == 0
+    assert f"\n网页：{page}（用浏览器打开）" in capsys.readouterr().out
+    assert main(["explain", "--flash", "--html", str(page), "--lang", "zh"]) == 0
+    assert f"\n网页：{page}（用浏览器打开）" in capsys.readouterr().out
+    assert main(["explain", "--html", str(page)]) == 0
+    assert f"\npage: {page} (open it in a browser)" in capsys.readouterr().out

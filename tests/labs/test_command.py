@@ -15,7 +15,6 @@ from qkv.cli import main
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["lab"], "the following arguments are required: name"),
         (["lab", "lstm"], "invalid choice: 'lstm'"),
         (["lab", "rnn", "--quick", "--full"], "not allowed with argument --quick"),
         (["lab", "scale", "--lang", "fr"], "invalid choice: 'fr'"),
@@ -31,6 +30,28 @@ def test_bad_arguments_are_one_line_errors_with_exit_code_2(argv, message):
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert message in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("qkv lab: error: ")
+
+
+@pytest.mark.parametrize(
+    "lang,message",
+    [
+        (
+            "en",
+            "qkv lab: error: qkv lab needs a lab's name: rnn, scale or routing (e.g. qkv lab rnn)",
+        ),
+        ("zh", "qkv lab: 错误：qkv lab 需要实验的名字：rnn、scale 或 routing（例如 qkv lab rnn）"),
+    ],
+)
+def test_a_lab_without_a_name_lists_the_labs(lang, message):
+    res = subprocess.run(
+        [sys.executable, "-m", "qkv", "lab", "--lang", lang],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == message
+    assert "arguments are required" not in res.stderr and "缺少必需的参数" not in res.stderr
 
 
 def test_outputs_are_checked_before_the_lab_runs(monkeypatch, tmp_path, capsys):

@@ -249,3 +249,60 @@ def test_the_memory_claim_reads_the_dependence_by_its_rule(doc):
     text = rnn.summary(doc, "en")
     assert "3. Memory" in text and "claim: an RNN forgets with distance" in text
     assert "3. 记忆" in rnn.summary(doc, "zh")
+
+
+def _busy_doc(doc: dict, machine: dict) -> dict:
+    """`doc` as if timed on `machine` with 2 threads (the timed claim then reads the machine)."""
+    par = [{**r, "threads": 2} for r in doc["parallel"]]
+    return {**doc, "parallel": par, "machine": {**doc["machine"], **machine}}
+
+
+def test_the_chinese_answer_holds_no_english_even_on_a_busy_machine(doc):
+    from tests.inspect.test_zh_complete import assert_chinese
+
+    pressure = _busy_doc(doc, {"cpu_pressure": 35.0})
+    zh = rnn.summary(pressure, "zh")
+    assert "机器太忙，计时不可信：CPU 压力 35%" in zh
+    assert_chinese(zh, "qkv lab rnn --lang zh, CPU pressure")
+    assert "the machine was too busy to time: CPU pressure 35%" in rnn.summary(pressure, "en")
+    load = _busy_doc(doc, {"cpu_pressure": None, "load_1min": 9.5, "cores": 2})
+    zh = rnn.summary(load, "zh")
+    assert "机器太忙，计时不可信：2 个核心上的平均负载为 9.5" in zh
+    assert_chinese(zh, "qkv lab rnn --lang zh, load")
+
+
+def test_the_chinese_answer_reads_as_chinese(doc):
+    zh = rnn.summary(doc, "zh")
+    assert f"1. 并行性：宽度 {TINY.width} 的单层网络做一次前向+反向，输入一条序列" in zh
+    assert "（每个随机种子一个值；— 表示始终没有降到）" in zh
+    assert "3. 记忆：训练好的模型给出答案时，还在多大程度上依赖 d 个位置之前的那一对" in zh
+    quiet = _busy_doc(doc, {"cpu_pressure": 0.0, "load_1min": 0.3, "cores": 2})
+    assert "（2 个核心上的平均负载为 0.3）" in rnn.summary(quiet, "zh")
+    en = rnn.summary(quiet, "en")
+    assert "(load average 0.3 on 2 cores)" in en
+    assert f"1. Parallelism: forward+backward of one layer of width {TINY.width}, one " in en
+
+
+def test_the_figure_draws_the_answers_dependence_on_the_pair(doc):
+    pytest.importorskip("matplotlib")
+    from qkv.labs import fade
+
+    fig = rnn.figure(doc)
+    assert len(fig.axes) == 4
+    dep = fig.axes[3]
+    assert dep.get_yscale() == "log" and "dependence" in dep.get_title()
+    lines = {line.get_label(): line for line in dep.get_lines()}
+    ds = [r["distance"] for r in doc["recall"]]
+    for key in ("lstm", "attention"):
+        (line,) = [v for k, v in lines.items() if k.lower().startswith(key)]
+        want = fade.relative([r[f"{key}_dependence"] for r in doc["recall"]])
+        kept = [(d, y) for d, y in zip(ds, want, strict=True) if y > 0]
+        assert list(line.get_xdata()) == [d for d, _ in kept]
+        assert list(line.get_ydata()) == pytest.approx([y for _, y in kept])
+    zh = rnn.figure(doc, lang="zh")
+    assert "依赖" in zh.axes[3].get_title()
+    older = {**doc, "recall": [
+        {k: v for k, v in r.items() if not k.endswith("_dependence")} for r in doc["recall"]
+    ]}  # fmt: skip
+    assert len(rnn.figure(older).axes) == 3  # a document from before the measure
+    assert all(t.get_text() for t in (dep.xaxis.label, dep.yaxis.label))

@@ -380,6 +380,7 @@ SUMMARY = {
         "head": "layer {l} head {h:<2}",
         "others": "others",
         "rollout": "rollout",
+        "unnamed": "attention",
         "focused": "  the most focused heads (their strongest link to another word):",
         "draws": '  where "{w}" draws from after all {layers} layers (attention rollout: heads '
         "averaged, 0.5·A + 0.5·I multiplied over the layers):",
@@ -388,12 +389,13 @@ SUMMARY = {
         "on": "{name}（{layers} 层 × {heads} 个头）处理的文本：{text}",
         "where": "“{w}”（编号 {i} 的词）看向哪里？（层、头和词都从 0 开始编号）",
         "word": "词",
+        "unnamed": "注意力",
         "specific": "  对每个词，最有特异性的头：“{w}”给它的权重比其他词给它的平均权重高出最多"
         "（所有层之后的注意力展开见下文）：",
         "head": "层 {l} 头 {h:<2}",
         "others": "其他词",
-        "rollout": "展开",
-        "focused": "  最集中的头（各自最强的一条指向其他词的连接）：",
+        "rollout": "展开后",
+        "focused": "  最集中的头（以及各自指向其他词的最强连接）：",
         "draws": "  经过全部 {layers} 层之后，“{w}”的信息来自哪里（注意力展开：各头取平均，"
         "0.5·A + 0.5·I 逐层相乘）：",
     },
@@ -417,7 +419,7 @@ def summary(
     t = SUMMARY[lang]
     amap.check(layer, head)
     i = amap.index(word)
-    name = amap.model or "attention"
+    name = amap.model or t["unnamed"]
     text = amap.text or " ".join(amap.words)
     lines = [t["on"].format(name=name, layers=amap.layers, heads=amap.heads, text=text)]
     lines.append(t["where"].format(w=amap.words[i], i=i))

@@ -22,6 +22,7 @@ interrupted cost curve), then the interrupt goes on to the caller.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import importlib
 import json
@@ -29,7 +30,8 @@ import platform
 import re
 import time
 import unicodedata
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +41,7 @@ from ..functional import attention, dispatch
 from . import bench, chapter
 from .attend import EXAMPLE, model_attention, summary
 from .explain import render, walkthrough
-from .figures import attention_grid, cost_plot, token_heads
+from .figures import FontWarning, attention_grid, cost_plot, font_note, token_heads
 from .flash_page import write_flash_page
 from .flash_text import render_walk
 from .formula import write_formula_page
@@ -68,11 +70,13 @@ CHECK = {
         "head": "Causal attention, B=1, H=8, N={n}, D=64, fp32, every backend against fp64:",
         "picks": "What `auto` picks{label} and why:",
         "lse": " with return_lse=True",
+        "row": "  {name:<9} max |out − golden| = {err:.2e}",
     },
     "zh": {
         "head": "因果注意力，B=1，H=8，N={n}，D=64，fp32，每个后端与 fp64 结果比较：",
-        "picks": "{label}`auto` 选了哪个后端，为什么（理由由 qkv.dispatch 给出，为英文）：",
+        "picks": "{label}`auto` 选了哪个后端，为什么（下面的理由来自 qkv.dispatch，只有英文）：",
         "lse": "return_lse=True 时，",
+        "row": "  {name:<9} 最大误差 |out − golden| = {err:.2e}",
     },
 }
 
@@ -87,7 +91,7 @@ def backends_check(n: int = 1024, lang: str = "en") -> str:
     for name in ("reference", "sdpa", "tiled", "auto"):  # random normals: finite inputs
         out = attention(q, k, v, causal=True, backend=name, finite_inputs=True)
         err = (out.double() - gold).abs().max().item()
-        lines.append(f"  {name:<9} max |out − golden| = {err:.2e}")
+        lines.append(t["row"].format(name=name, err=err))
     for label, extra in (("", {}), (t["lse"], {"return_lse": True})):
         decision = dispatch(q, k, v, causal=True, finite_inputs=True, **extra)
         lines.append(t["picks"].format(label=label))
@@ -142,24 +146,25 @@ TEXT = {
         "state_done": "in",
         "state_interrupted": "interrupted (Ctrl-C) after",
         "contents": "Contents",
+        "note": "note: {note}",
         "finished": "qkv demo finished in {took:.0f} s; open {index}",
         "interrupted": "qkv demo interrupted after {took:.0f} s; what was finished: {index}",
     },
     "zh": {
-        "formula": "公式，一步一步",
+        "formula": "逐步演算公式",
         "formula_intro": "N=4 个宽度 d=8 的词元，投影到 d_k=4"
         '（<a href="explain.txt">English</a>）。'
         '<a href="explain.html">动手试试</a>：每个矩阵画成热力图，缩放因子放在滑块上，'
         "每个分数的点积逐项展开。",
         "backends": "各个后端的结果一致",
-        "attend": "在真实模型里，“it” 把注意力放在哪里？",
-        "attend_intro": "all-MiniLM-L6-v2 通过 qkv 的 transformers 后端处理句子 “{text}”。"
+        "attend": "在真实模型里，“it”把注意力放在哪里？",
+        "attend_intro": "all-MiniLM-L6-v2 通过 qkv 的 transformers 后端处理句子“{text}”。"
         '<a href="viewer.html">交互式查看器</a>打开时就停在这个问题上：选中“it”，'
-        "第 {layer} 层第 {head} 个头（从 0 开始编号，与下面的输出一致）：在所有头中，这个头里"
+        "层 {layer} 头 {head}（层和头都从 0 开始编号，与下面的输出一致）：在所有头中，这个头里"
         "“it”给“cat”的权重比其他词给它的平均权重高出最多（{weight:.2f}，其他词平均 {others:.2f}）。"
         "也可以换一层、换一个头，或把鼠标移到词上。"
         '全部权重在 <a href="attention.json">attention.json</a> 中。',
-        "attend_alt_it": "“it” 在每一层、每个头中的注意力",
+        "attend_alt_it": "“it”在每一层、每个头中看向哪里",
         "attend_alt_grid": "每一层、每个头",
         "cost": "注意力的开销",
         "cost_intro": "稠密注意力的时间随 N² 增长（朴素公式的内存也是如此）；分块内核的内存保持 "
@@ -167,9 +172,9 @@ TEXT = {
         '（<a href="bench.json">bench.json</a>）。',
         "cost_interrupted": "已中断：这里是按下 Ctrl-C 之前测完的部分。",
         "cost_alt": "时间和内存随 N 的变化，双对数坐标",
-        "flash": "FlashAttention，一步一步",
+        "flash": "逐步看 FlashAttention",
         "flash_intro": "不保存 N × N 矩阵，怎样从一个个块里算出同一个 softmax："
-        "每个查询块记着运行中的最大值 m、总和 l 和输出 O，每来一个键块就把它们重新缩放一次。"
+        "每个查询块记着滚动最大值 m、滚动和 l 与输出 O，每来一个键块就把它们重新缩放一次。"
         '<a href="flash.html">逐步查看</a>（下一步、上一步、播放、方向键；跳过整块的掩码；'
         "缓存分段的解码）。以下由 <code>qkv explain --flash</code> 打印：",
         "long": "超越 O(N²)：稀疏注意力与 FlashAttention",
@@ -184,11 +189,12 @@ TEXT = {
         "block": "下一章：Transformer 块",
         "page_title": "qkv 演示",
         "page_intro": "自注意力 <code>softmax(Q Kᵀ / √d_k) V</code>：从公式到开销，并实测本章的"
-        "论断。由 <code>qkv demo</code> 生成，{state} {took:.0f} 秒，机器 {machine}，"
+        "论断。由 <code>qkv demo</code> 在 {machine} 上生成，{state} {took:.0f} 秒，"
         "torch {torch}，{threads} 个线程。",
         "state_done": "用时",
         "state_interrupted": "在 Ctrl-C 中断前运行了",
         "contents": "目录",
+        "note": "注意：{note}",
         "finished": "qkv demo 已完成，用时 {took:.0f} 秒；打开 {index}",
         "interrupted": "qkv demo 在 {took:.0f} 秒后被中断；已完成的部分：{index}",
     },
@@ -216,6 +222,7 @@ class Report:
     lang: str = "en"  # the language of the report, its pages and the answers it prints
     sections: list[Section] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)  # the cost curve's, for later sections
+    notes: list[str] = field(default_factory=list)  # said once, printed and atop the page
 
     def add(self, key: str, body: str) -> None:
         """Append the section `key` (its title is the sentence `key`) with its HTML `body`."""
@@ -230,6 +237,19 @@ class Report:
         title = self.t(key)
         self.echo(f"{chr(10) if self.sections else ''}== {len(self.sections) + 1}. {title} ==")
         return title
+
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Draw figures in the report's language. Chinese without a CJK font is drawn in
+        English: that is said once, as a note printed and put on the page, never as a Python
+        warning."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FontWarning)
+            yield
+        note = font_note(self.lang)
+        if note and note not in self.notes:
+            self.notes.append(note)
+            self.echo(self.t("note", note=note))
 
 
 # Text printed for a terminal, turned into a page: the rows of a table (columns lined up by
@@ -382,8 +402,9 @@ def _attend(r: Report) -> None:
     )
     answer = "\n".join(question) + "\n\n" + summary(amap, word, lang=r.lang)
     r.echo(answer)
-    attention_grid(amap, r.out / "attention-grid.png")
-    token_heads(amap, word, r.out / "attention-it.png")
+    with r.drawing():
+        attention_grid(amap, r.out / "attention-grid.png", lang=r.lang)
+        token_heads(amap, word, r.out / "attention-it.png", lang=r.lang)
     best = specific_head(amap, word, target)
     write_viewer(
         amap, r.out / "viewer.html", lang=r.lang, word=word, layer=best.layer, head=best.head
@@ -417,9 +438,10 @@ def _cost(r: Report) -> None:
         complete = True
     finally:  # after Ctrl-C too: the rows measured so far are part of the report
         if records:
-            cost_table = bench.table(records)
+            cost_table = bench.table(records, lang=r.lang)
             r.echo(cost_table)
-            cost_plot(records, r.out / "cost.png")
+            with r.drawing():
+                cost_plot(records, r.out / "cost.png", lang=r.lang)
             doc = bench.report(records, r.sizes, complete=complete)
             (r.out / "bench.json").write_text(json.dumps(doc, indent=1))
             note = "" if complete else f" <b>{r.t('cost_interrupted')}</b>"
@@ -469,7 +491,8 @@ def _lab(name: str) -> Callable[[Report], None]:
         doc = lab.run(lab.FULL if r.labs == "full" else lab.QUICK, progress=r.progress)
         answer = lab.summary(doc, r.lang)
         r.echo(answer)
-        lab.figure(doc, r.out / f"lab-{name}.png")
+        with r.drawing():
+            lab.figure(doc, r.out / f"lab-{name}.png", lang=r.lang)
         (r.out / f"lab-{name}.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
         flag = " --full" if r.labs == "full" else ""
         intro = r.t("lab_intro", command=f"qkv lab {name}{flag}", json=f"lab-{name}.json")
@@ -549,6 +572,7 @@ pre.table { font: 13px/1.4 ui-monospace, monospace; background: #f6f6f6; padding
             margin: 8px 0; overflow-x: auto; border-radius: 4px; width: fit-content;
             max-width: 100%; box-sizing: border-box; }
 img { max-width: 100%; height: auto; }
+p.note { background: #fff8e1; border-left: 3px solid #f0b400; padding: 4px 10px; }
 nav.toc { background: #f7f7f9; border: 1px solid #e3e3e8; border-radius: 6px;
           padding: 8px 16px; margin: 16px 0; }
 nav.toc ol { margin: 4px 0; padding-left: 0; list-style: none; columns: 2 300px; }
@@ -583,6 +607,7 @@ def page(r: Report, took: float, interrupted: bool = False) -> str:
         torch=html.escape(torch.__version__),
         threads=torch.get_num_threads(),
     )
+    notes = "".join(f'\n<p class="note">{html.escape(r.t("note", note=n))}</p>' for n in r.notes)
     body = "\n".join(
         f'<section id="{s.anchor}">\n<h2>{n}. {html.escape(s.title)}</h2>\n{s.body}\n</section>'
         for n, s in enumerate(r.sections, 1)
@@ -594,7 +619,7 @@ def page(r: Report, took: float, interrupted: bool = False) -> str:
 <style>{STYLE}</style>
 </head><body>
 <h1>{r.t("page_title")}</h1>
-<p>{intro}</p>
+<p>{intro}</p>{notes}
 {_toc(r)}
 {body}
 </body></html>

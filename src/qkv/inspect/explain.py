@@ -43,6 +43,7 @@ TEXT = {
         "cost": "Cost of one head (FLOPs = 4·N²·d_k for QKᵀ and AV; scores stored as fp32):",
         "case": {4: "this example", 512: "BERT", 2048: "GPT-3", 1_048_576: "long document"},
         "shape": "shape",
+        "corners": "  ({nr}×{nc}: corners shown; --full prints it whole)",
     },
     "zh": {
         "title": (
@@ -53,7 +54,7 @@ TEXT = {
         "X": "输入：每行是一个词元",
         "W": "可学习的投影矩阵 d → d_k（W^V：d → d_v），按神经网络层的初始化方式抽取：N(0, 1/d)",
         "Q": "查询：每个词元在寻找什么",
-        "K": "键：每个词元可以被怎样找到",
+        "K": "键：每个词元凭什么被找到",
         "V": "值：每个词元被关注时交出的内容",
         "S": "每个查询与每个键的原始相似度",
         "S_scaled": "缩放：除以 √d_k（即乘以 {inv:.4f}）。QKᵀ 是 d_k 个乘积之和，离散程度随 √d_k "
@@ -69,9 +70,10 @@ TEXT = {
         "little": "  → d_k = {dk} 时缩放的作用还不大（不缩放 {raw:.2f}，缩放后 {scaled:.2f}）；"
         "d_k 越大，不缩放的行越尖锐（试试 --dk 64）。",
         "Out": "每个词元的新表示：值向量的加权平均",
-        "cost": "单个注意力头的代价（FLOPs = 4·N²·d_k，含 QKᵀ 与 AV；分数矩阵按 fp32 存储）：",
+        "cost": "单个注意力头的开销（FLOPs = 4·N²·d_k，含 QKᵀ 与 AV；分数矩阵按 fp32 存储）：",
         "case": {4: "本例", 512: "BERT", 2048: "GPT-3", 1_048_576: "长文档"},
         "shape": "形状",
+        "corners": "  （{nr}×{nc}：只显示四角；--full 可完整打印）",
     },
 }
 COST_SIZES = (512, 2048, 1_048_576)
@@ -234,9 +236,9 @@ def _cell(v: float) -> str:
     return f"{v:8.3f}" if v != float("-inf") else "    -inf"
 
 
-def _matrix(t: torch.Tensor, full: bool = False) -> str:
+def _matrix(t: torch.Tensor, full: bool = False, lang: str = "en") -> str:
     """The matrix's rows; beyond `SHOWN` rows or columns (unless `full`), its first and last
-    `SHOWN // 2` of each with ⋯ / ⋮ between and a line saying what was left out."""
+    `SHOWN // 2` of each with ⋯ / ⋮ between and a line saying what was left out (in `lang`)."""
     nr, nc = t.shape
     half = SHOWN // 2
     rows_at = range(nr) if full or nr <= SHOWN else [*range(half), None, *range(nr - half, nr)]
@@ -251,7 +253,7 @@ def _matrix(t: torch.Tensor, full: bool = False) -> str:
             "  [" + " ".join(f"{'⋯':>8}" if j is None else _cell(row[j]) for j in cols_at) + "]"
         )
     if len(rows_at) < nr or len(cols_at) < nc:
-        lines.append(f"  ({nr}×{nc}: corners shown; --full prints it whole)")
+        lines.append(TEXT[lang]["corners"].format(nr=nr, nc=nc))
     return "\n".join(lines)
 
 
@@ -281,7 +283,7 @@ def render(w: Walkthrough, lang: str = "en", full: bool = False) -> str:
 
     def step(name: str, m: torch.Tensor, meaning: str) -> None:
         out.append(f"\n{name}  {t['shape']} {tuple(m.shape)} — {meaning}")
-        out.append(_matrix(m, full))
+        out.append(_matrix(m, full, lang))
 
     step("X", w.X, t["X"])
     out.append(f"\nW^Q, W^K, W^V  {t['shape']} {tuple(w.W_q.shape)} — {t['W']}")

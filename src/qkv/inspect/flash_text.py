@@ -87,22 +87,22 @@ TEXT = {
             "所以最后 O = acc / l 恰好等于 softmax(S) V。"
         ),
         "grid": "S 的分块（# 完整：直接计算；+ 部分：逐对加掩码；. 跳过：从不计算）：",
-        "qtile": "查询块 {r}：第 {rows} 行",
+        "qtile": "查询块 {r}：行 {rows}",
         "step": "第 {i} 步  键块 {c}：键 {cols}，{status}",
         "status": {"full": "完整", "partial": "部分", "skipped": "跳过"},
         "skipped": "这里没有可见的键，不做任何计算",
         "sep": "：",
-        "split": "  （第 {s} 段）",
+        "split": "  （段 {s}）",
         "S": "S 块（−inf：被掩盖）",
         "m": "m = max(m, rowmax S)",
         "alpha": "α = exp(m_old − m)",
         "alpha_first": "—（第一块：无需重新缩放）",
         "l": "l = α·l + rowsum exp(S − m)",
         "O": "O = (α·acc + exp(S − m) V) / l",
-        "partials": "第 {s} 段（键块 {tiles}）：m = {m}  l = {l}",
+        "partials": "段 {s}（键块 {tiles}）：m = {m}  l = {l}",
         "merged": "合并（m* = max m_s，l = Σ l_s·exp(m_s − m*)）：m* = {m}  l = {l}",
         "none": "无",
-        "row": "第 {i} 行：教科书的 softmax 与在线 softmax 并排：",
+        "row": "行 {i}：教科书的 softmax 与在线 softmax 并排：",
         "textbook": "教科书",
         "online": "在线",
         "equal": "相等：最大差值 {err:.1e}（舍入误差）",
@@ -132,26 +132,48 @@ def _lang(lang: str) -> dict:
 
 WIDTH = 96  # columns of a prose line
 NO_BREAK_BEFORE = set("，。；：、）」》！？")  # fullwidth punctuation never starts a line
+# a line had better end after one of these (not 。 or ：, after which the demo's page starts a
+# new paragraph) ...
+BREAK_AFTER = set("，；、")
+BREAK_REACH = 16  # ... when one is within this many columns of where the line would end
+# the walk's Chinese terms, never cut in two at the end of a line (滚动最 / 大值)
+KEEP_TOGETHER = (
+    "滚动最大值", "滚动和", "最大值", "累积", "查询行", "查询块", "键块", "词元", "分数",
+    "随机种子", "缩放", "计算", "保存", "丢弃", "输出", "矩阵", "乘积", "掩码", "示例",
+)  # fmt: skip
 
 
 def _wrap(text: str) -> str:
     """Prose cut into lines of at most `WIDTH` terminal columns: at spaces, or before a wide
-    (Chinese) character, never inside a formula or a number, never before fullwidth
-    punctuation."""
-    tokens, word = [], ""
-    for ch in text:
-        if columns(ch) == 2 or ch == " ":
+    (Chinese) character, never inside a number, never before fullwidth punctuation. In Chinese
+    text, a formula or a name between Chinese characters is never cut at its spaces, a line
+    ends after a fullwidth ，；、 when one is within its last `BREAK_REACH` columns (a break
+    between phrases, not inside a word), and never inside one of the terms of
+    `KEEP_TOGETHER`."""
+    wide = any(columns(c) == 2 for c in text)
+    tokens, word, k = [], "", 0
+    while k < len(text):
+        term = next((w for w in KEEP_TOGETHER if text.startswith(w, k)), None) if wide else None
+        ch = term or text[k]
+        if term or columns(ch) == 2 or (ch == " " and not wide):
             tokens += [word, ch] if word else [ch]
             word = ""
         else:
             word += ch
+        k += len(ch)
     tokens.append(word)
     lines, line = [], ""
     for tok in tokens:
         fits = columns(line + tok) <= WIDTH or tok in NO_BREAK_BEFORE
         if line and not fits:
-            lines.append(line.rstrip())
-            line = "" if tok == " " else tok
+            cut = max((i for i, c in enumerate(line) if c in BREAK_AFTER), default=-1) + 1
+            tail = line[cut:] if cut else ""
+            if tail.strip() and columns(tail) <= BREAK_REACH:
+                lines.append(line[:cut].rstrip())
+                line = tail.lstrip() + tok
+            else:
+                lines.append(line.rstrip())
+                line = tok.lstrip()
         else:
             line += tok
     return "\n".join([*lines, line.rstrip()])

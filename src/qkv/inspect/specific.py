@@ -135,16 +135,18 @@ TEXT = {
         "sinks": '  After all layers, {special:.0%} of "{w}"\'s attention rollout sits on the '
         "special tokens ({names}): heads with nothing to look for park their weight there "
         '(attention sinks); {itself:.0%} stays on "{w}" itself.',
-        "drowned": '  "{t}" gets {target:.3f} of it, {rank} of {words} words: rollout averages '
-        "every head, so one specific head is drowned by the others.",
-        "top": '  "{t}" gets {target:.3f} of it, the most of any word.',
+        "drowned": '  After all layers, "{t}" gets {target:.3f} of "{w}"\'s attention rollout, '
+        "{rank} of {words} words: rollout averages every head, so one specific head is drowned "
+        "by the others.",
+        "top": '  After all layers, "{t}" gets {target:.3f} of "{w}"\'s attention rollout, the '
+        "most of any word.",
         "ordinal": ("1st", "2nd", "3rd"),
         "nth": "{n}th",
     },
     "zh": {
         "which": "哪个头把“{w}”和“{t}”联系起来？按特异性选出：“{w}”给“{t}”的权重，"
         "减去其他词给“{t}”的平均权重。",
-        "best": "  层 {l} 头 {h}：“{w}” → “{t}” {weight:.3f}；其他词 → “{t}” 平均 {others:.3f}"
+        "best": "  层 {l} 头 {h}：“{w}” → “{t}” {weight:.3f}；其他词 → “{t}”平均为 {others:.3f}"
         "（特异性 {spec:+.3f}）",
         "same": "  它也正是“{w}”给“{t}”权重最大的头。",
         "crowd": "  层 {l} 头 {h} 中“{w}”给“{t}”的权重最大（{weight:.3f}），但在这个头里其他词给"
@@ -157,9 +159,10 @@ TEXT = {
         "sinks": "  经过全部层之后，“{w}”的注意力展开有 {special:.0%} 落在特殊词元（{names}）上："
         "无处可看的头把权重停放在那里（注意力汇聚点，attention sink）；{itself:.0%} 留在“{w}”"
         "自身。",
-        "drowned": "  “{t}”只分到 {target:.3f}，在 {words} 个词中排第 {rank} 位：注意力展开对所有头"
-        "取平均，一个有特异性的头被其他头淹没了。",
-        "top": "  “{t}”分到 {target:.3f}，是所有词中最多的。",
+        "drowned": "  经过全部层之后，“{t}”在“{w}”的注意力展开中只分到 {target:.3f}，"
+        "在 {words} 个词中排第 {rank} 位：注意力展开对所有头取平均，"
+        "一个有特异性的头被其他头淹没了。",
+        "top": "  经过全部层之后，“{t}”在“{w}”的注意力展开中分到 {target:.3f}，是所有词中最多的。",
     },
 }
 
@@ -182,7 +185,8 @@ def question_lines(
 ) -> list[str]:
     """The answer to "which head links `word` to `target`?" as lines of text: the most specific
     head, the strongest one when it differs (and why it is not the answer), the same head on a
-    `contrast` sentence whose answer is `contrast_target`, and where the rollout ends."""
+    `contrast` sentence whose answer is `contrast_target`, and what share of the word's rollout
+    the target gets (`summary` says why most of it sits on the special tokens)."""
     if lang not in TEXT:
         raise ValueError(f"lang must be en or zh, got {lang!r}")
     t = TEXT[lang]
@@ -198,9 +202,9 @@ def question_lines(
     if contrast is not None and contrast_target is not None:
         lines += _contrast_lines(amap, contrast, best, word, target, contrast_target, t)
     s = sinks(amap, word, target)
-    lines += sink_line(amap, word, lang)
     key = "top" if s.rank == 1 else "drowned"
-    lines.append(t[key].format(t=tg, target=s.target, rank=_rank(s.rank, lang), words=s.words))
+    ranked = {"rank": _rank(s.rank, lang), "words": s.words}
+    lines.append(t[key].format(t=tg, w=w, target=s.target, **ranked))
     return lines
 
 

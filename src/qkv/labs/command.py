@@ -31,7 +31,15 @@ def _seed(text: str) -> int:
     return value
 
 
+# said instead of argparse's "the following arguments are required: name" (`qkv.cli` reads a
+# parser's `required_message`)
+NO_NAME = (
+    f"qkv lab needs a lab's name: {', '.join(LABS[:-1])} or {LABS[-1]} (e.g. qkv lab {LABS[0]})"
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.required_message = NO_NAME  # type: ignore[attr-defined]
     p.add_argument("name", choices=LABS, help="which lab: " + ", ".join(LABS))
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the short run (default)")

@@ -28,6 +28,10 @@ RNN_TEXT = {
         "step": "training step",
         "loss": "cross-entropy (mean of {every} steps)",
         "train_title": "training, same batches for both",
+        "dependence": "‖∂ answer / ∂ pair‖, relative to d = {d0}",
+        "dep_title": "memory: dependence on the pair d back",
+        "faded": "rule: LSTM ≤ {v:g} at the longest d",
+        "kept": "rule: attention ≥ {v:g}",
     },
     "zh": {
         "lstm": "LSTM",
@@ -45,17 +49,24 @@ RNN_TEXT = {
         "step": "训练步数",
         "loss": "交叉熵（每 {every} 步的平均）",
         "train_title": "训练过程，两个模型用相同的批次",
+        "dependence": "‖∂ 答案 / ∂ 那一对‖，相对于 d = {d0}",
+        "dep_title": "记忆：对 d 个位置之前那一对的依赖",
+        "faded": "规则：最远处 LSTM ≤ {v:g}",
+        "kept": "规则：注意力 ≥ {v:g}",
     },
 }
 
 
 def rnn(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
-    """Time against N (log-log, all threads and one), accuracy against distance, and the
-    training loss of both models."""
+    """Time against N (log-log, all threads and one), accuracy against distance, the training
+    loss of both models and, when the run measured it (`lstm_dependence` and
+    `attention_dependence` in its recall rows), how much the answer still depends on the pair
+    d back, relative to the shortest d (`qkv.labs.fade`)."""
     lang = figure_lang(lang)
     t = labels(RNN_TEXT, lang)
-    fig = new_figure(15.0, 4.2)
-    left, mid, right = fig.subplots(1, 3)
+    measured = all("lstm_dependence" in r for r in doc["recall"])
+    fig = new_figure(20.0 if measured else 15.0, 4.2)
+    left, mid, right, *dep = fig.subplots(1, 4 if measured else 3)
     models = (("lstm", t("lstm"), "C3"), ("attention", t("attention"), "C0"))
     par = doc["parallel"]
     ns = [r["n"] for r in par]
@@ -98,7 +109,35 @@ def rnn(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
     right.set_title(t("train_title"))
     right.grid(True, which="both", alpha=0.3)
     right.legend(fontsize=8)
+    if measured:
+        _dependence(dep[0], doc, models, t)
     return finish(fig, path, lang)
+
+
+def _dependence(ax, doc: dict, models, t) -> None:
+    """The answer's dependence on the pair d back against d, relative to the shortest d (log
+    y; a zero, which a log axis cannot show, is left out), with the rule's two thresholds."""
+    from .fade import FADED, KEPT, relative
+
+    rec = doc["recall"]
+    ds = [r["distance"] for r in rec]
+    for key, label, color in models:
+        pts = [
+            (d, y)
+            for d, y in zip(ds, relative([r[f"{key}_dependence"] for r in rec]), strict=True)
+            if y > 0
+        ]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-", color=color, label=label)
+    ax.axhline(FADED, color="C3", linestyle=":", alpha=0.6, label=t("faded", v=FADED))
+    ax.axhline(KEPT, color="C0", linestyle=":", alpha=0.6, label=t("kept", v=KEPT))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(t("distance"))
+    ax.set_ylabel(t("dependence", d0=ds[0]))
+    ax.set_title(t("dep_title"))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 SCALE_TEXT = {

@@ -344,13 +344,13 @@ TEXT = {
     },
     "zh": {
         "title": "RNN 与注意力（{seconds:.0f} 秒）",
-        "par": "1. 并行性：宽度 {width} 的单层前向+反向，一条序列",
+        "par": "1. 并行性：宽度 {width} 的单层网络做一次前向+反向，输入一条序列",
         "par_cols": ("N", "LSTM", "注意力", "串行步数 LSTM/注意力"),
         "par_threads": (
             "  N={n} 时，{threads} 个线程与 1 个线程相比（{rounds} 轮交替测量的中位数）："
             "LSTM 的速度是单线程的 {lstm:.2f} 倍（{lstm_lo:.2f}–{lstm_hi:.2f}），"
             "注意力的速度是单线程的 {attn:.2f} 倍（{attn_lo:.2f}–{attn_hi:.2f}）"
-            "（{cores} 核，平均负载 {load}）"
+            "（{cores} 个核心上的平均负载为 {load}）"
         ),
         "par_claim": (
             "  论断：RNN 用不上并行硬件，注意力可以 → {verdict}"
@@ -370,7 +370,7 @@ TEXT = {
         "rec_models": "  注意力：{ap} 个参数（d_model {dm}）；LSTM：{lp} 个参数（隐藏维度 {h}）",
         "rec_cols": ("d", "LSTM", "注意力"),
         "rec_learned": (
-            "  损失降到 {below} 以下时的训练步数（每个种子；— 表示没有）："
+            "  损失降到 {below} 以下时的训练步数（每个随机种子一个值；— 表示始终没有降到）："
             "注意力 {attn}；LSTM {lstm}"
         ),
         "rec_claim": (
@@ -379,7 +379,7 @@ TEXT = {
             "规则：注意力处处 ≥ 95%，LSTM 在最远距离比最近距离至少低 10 个百分点）"
         ),
         "fade": (
-            "3. 记忆：训练好的模型，其答案还在多大程度上依赖 d 个位置之前的那一对"
+            "3. 记忆：训练好的模型给出答案时，还在多大程度上依赖 d 个位置之前的那一对"
             "（答案的 logit 对该输入的梯度，相对于最短距离）"
         ),
         "fade_claim": (
@@ -421,7 +421,7 @@ def claims(doc: dict) -> dict[str, dict]:
     elif reason := busy(doc.get("machine", {})):
         par = inconclusive(
             f"the machine was too busy to time: {reason}",
-            f"机器太忙，计时不可信：{reason}",
+            f"机器太忙，计时不可信：{busy(doc.get('machine', {}), 'zh')}",
         )
     else:
         up = speedups(last)
@@ -441,12 +441,12 @@ def claims(doc: dict) -> dict[str, dict]:
     chance = doc["task"]["chance"]
     if rec[0]["attention_acc"] < 0.95 or rec[0]["lstm_acc"] < LEARNED_OVER_CHANCE * chance:
         who = "attention" if rec[0]["attention_acc"] < 0.95 else "the LSTM"
-        who_zh = "注意力模型" if rec[0]["attention_acc"] < 0.95 else "LSTM"
+        who_zh = "注意力模型" if rec[0]["attention_acc"] < 0.95 else "LSTM "
         acc = rec[0]["attention_acc" if who == "attention" else "lstm_acc"]
         recall_verdict = inconclusive(
             f"{who} did not learn the task even at d={rec[0]['distance']}: {acc:.0%} against "
             f"{chance:.1%} chance, so its fall with distance cannot be judged (section 3 can)",
-            f"{who_zh} 在 d={rec[0]['distance']} 处也没学会这个任务：准确率 {acc:.0%}，"
+            f"{who_zh}在 d={rec[0]['distance']} 处也没学会这个任务：准确率 {acc:.0%}，"
             f"随机猜对为 {chance:.1%}，所以无法判断它是否随距离下降（第 3 部分可以）",
         )
     else:
