@@ -9,6 +9,19 @@ caches and builds, forks.
   was passed over, the largest error against the formula); **held** says whether that is what
   qkv promises for the case (docs/backends.md, *Reliability*): a result within the error rule or a
   clear error, never a crash, a hang or a silent wrong answer.
+- Service cases (in processes of their own, one good build): `torch.compile(dynamic=True,
+  fullgraph=True)` with dynamo's `eager` backend (graphs counted as tests/test_compile_dynamic.py
+  does) of `qkv.attention` (`auto`, `finite_inputs=True`, fp32, B=1, H=8, D=64) across 8 lengths
+  and of `qkv.nn.MultiHeadAttention` with a `KVCache`, against the same calls in eager mode (bit
+  for bit) and the float64 formula (the error rule, as a fraction of its bound), and against the
+  graphs `backend="sdpa"` takes: **held** is no graph break, bit-identical outputs, and no more
+  graphs than SDPA's plus the times eager `auto` changes its pick along the lengths (this
+  machine's crossover table). Masks, score modifiers and a held layout through `pickle`,
+  protocol 2, `torch.save` and a `multiprocessing` spawn worker, compared bit for bit. Under
+  RLIMIT_AS 1 GiB above what `import qkv` maps, the reference backend and SDPA with a structured
+  mask are asked for 2–3 GiB: held is a `MemoryRefusal` naming RLIMIT_AS before anything is
+  allocated (peak RSS grows < 64 MiB). A long `backend="cpu"` call gets SIGINT after 1 s: held
+  is `KeyboardInterrupt` within 5 s and the same bits from the kernel afterwards.
 - Cache: a server holding one `masks.sliding_window(16)` that sees a new length per request
   (B=1, H=1, D=8, `backend="cpu"`). A **new-length** call is the first at a length, a
   **repeated** one the second; each the median over 16 lengths (500 … 515), once on an empty
@@ -38,6 +51,7 @@ from typing import Any
 from .. import report as rp
 from ..machine import progress
 from ..suite import Stage, Suite, Target
+from ._hostile_service import service_cases
 
 # Run first by a child process: with READ_ONLY set, its cache folder behaves as on a read-only
 # file system (writes and mkdir there raise EROFS). Shared with tests/test_kernel_cache.py.
@@ -147,18 +161,25 @@ BUILD = "from qkv.kernels.cpu import build; build.load(); print('{\"built\": tru
 
 
 def _run(
-    case: str, cache: Path, timeout: float = 300, code: str = _CHILD, **env: str
+    case: str,
+    cache: Path,
+    timeout: float = 300,
+    code: str = _CHILD,
+    args: tuple[str, ...] = (),
+    preexec_fn: Any = None,
+    **env: str,
 ) -> dict[str, Any]:
     """Run `case` in a fresh process; what it printed (its last JSON line), exit status, time."""
     t0 = time.perf_counter()
     full = {**os.environ, "QKV_CACHE_DIR": str(cache), **env}
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", code, case],
+            [sys.executable, "-c", code, case, *args],
             env=full,
             capture_output=True,
             text=True,
             timeout=timeout,
+            preexec_fn=preexec_fn,
         )
     except subprocess.TimeoutExpired:
         return {"rc": "timeout", "seconds": time.perf_counter() - t0, "stderr": ""}
@@ -548,12 +569,18 @@ def layout_stage(settings: dict[str, Any], results: Any) -> list[dict[str, Any]]
 # --------------------------------------------------------------------------- the section
 
 
-def cases_table(results: Any) -> list[str]:
-    data = results.stages.get("processes") or []
+def _rows(stage: str, title: str) -> Any:
+    def table(results: Any) -> list[str]:
+        return _cases_lines(results.stages.get(stage) or [], title)
+
+    return table
+
+
+def _cases_lines(data: list[dict[str, Any]], title: str) -> list[str]:
     if not data:
         return []
     lines = [
-        "### Processes",
+        f"### {title}",
         "",
         "| case | what was done | outcome | held | s |",
         "|:---|:---|:---|:---|---:|",
@@ -564,6 +591,12 @@ def cases_table(results: Any) -> list[str]:
             f"{rp.fmt(c['seconds'], '.1f')} |"
         )
     return [*lines, ""]
+
+
+cases_table = _rows("processes", "Processes")
+service_table = _rows(
+    "service", "In a training job or a service: torch.compile, pickling, memory limits, Ctrl-C"
+)
 
 
 def cache_table(results: Any) -> list[str]:
@@ -610,9 +643,17 @@ def _cache_ratio(results: Any, key: str) -> float | None:
     return None if not d else d["full"][key] / d["empty"][key]
 
 
-def _held(results: Any) -> float | None:
-    data = results.stages.get("processes")
+def _held(results: Any, stage: str = "processes") -> float | None:
+    data = results.stages.get(stage)
     return None if not data else sum(not c["held"] for c in data)
+
+
+def _ctrl_c_s(results: Any) -> float | None:
+    row = next(
+        (c for c in results.stages.get("service") or [] if c["case"] == "Ctrl-C in a long forward"),
+        None,
+    )
+    return None if row is None else row["raw"].get("after_s")
 
 
 def _worst_layout(results: Any) -> float | None:
@@ -645,11 +686,27 @@ SUITE = Suite(
     },
     steps=(
         Stage("processes", process_cases),
+        Stage("service", service_cases),
         Stage("cache", cache_stage),
         Stage("layout", layout_stage),
     ),
     targets=(
         Target("process cases not held", _held, 0, at_least=False, unit="", digits=0),
+        Target(
+            "compile, pickle, limit and signal cases not held",
+            lambda r: _held(r, "service"),
+            0,
+            at_least=False,
+            unit="",
+            digits=0,
+        ),
+        Target(
+            "Ctrl-C to KeyboardInterrupt, long forward",
+            _ctrl_c_s,
+            1.0,
+            at_least=False,
+            unit=" s",
+        ),
         Target(
             "new-length call, full ÷ empty cache",
             lambda r: _cache_ratio(r, "new_s"),
@@ -669,7 +726,7 @@ SUITE = Suite(
             at_least=False,
         ),
     ),
-    report=(cases_table, cache_table, layout_table),
+    report=(cases_table, service_table, cache_table, layout_table),
     doc=__doc__,
     requires=_requires,
 )
