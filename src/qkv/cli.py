@@ -28,7 +28,16 @@ from typing import NamedTuple
 
 from . import cli_zh
 from .cli_zh import LANGS, WORDS
-from .inspect.outputs import STDOUT, OutputError, check_file, check_folder, say_to, write_json
+from .inspect.outputs import (
+    STDOUT,
+    OutputError,
+    check_file,
+    check_folder,
+    say_to,
+    slug,
+    terminal_safe,
+    write_json,
+)
 from .labs import command as lab_command
 
 USAGE_ERROR, FAILED, INTERRUPTED = 2, 1, 130
@@ -253,7 +262,7 @@ def _attend(args: argparse.Namespace) -> None:
         from .inspect.viewer import write_viewer
 
         out.mkdir(parents=True, exist_ok=True)
-        safe = "".join(c if c.isalnum() else "_" for c in word.lower())
+        safe = slug(word)  # bounded: a 300-letter word must not name the file
         pictures = [out / "attention-grid.png", out / f"attention-{safe}.png"]
         pictures.append(out / f"attention-{safe}-rollout.png")
         with warnings.catch_warnings():  # no CJK font: said once below, as a note
@@ -554,10 +563,27 @@ def _parser(lang: str = "en") -> argparse.ArgumentParser:
     return ap
 
 
+def _undecodable(argv: list[str]) -> int | None:
+    """The position of the first argument holding bytes that are not UTF-8, or None."""
+    for i, arg in enumerate(argv):
+        if any("\udc80" <= c <= "\udcff" for c in arg):
+            return i
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (argparse exits with 2 on bad arguments)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     lang = language(argv)
+    bad = _undecodable(argv)
+    if bad is not None:  # bytes that are not UTF-8 (Python keeps them as lone surrogates)
+        said = (
+            f"qkv：错误：第 {bad + 1} 个参数不是有效的 UTF-8 文本；请用 UTF-8 编码输入"
+            if lang == "zh"
+            else f"qkv: error: argument {bad + 1} is not valid UTF-8 text; give it in UTF-8"
+        )
+        print(said, file=sys.stderr)
+        return USAGE_ERROR
     parser = _parser(lang)
     args = parser.parse_args(argv)
     args.lang = lang  # `qkv --lang zh explain` as `qkv explain --lang zh`
@@ -570,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             message = f"{WORDS['error']}：{cli_zh.error(message)}"
         else:
             message = f"error: {message}"
-        print(f"qkv {args.command}: {message}", file=sys.stderr)
+        print(terminal_safe(f"qkv {args.command}: {message}"), file=sys.stderr)
 
     try:
         COMMANDS[args.command].run(args)

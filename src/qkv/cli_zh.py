@@ -206,6 +206,10 @@ ERRORS: list[tuple[str, str]] = [
     ),
     (r"tile must be at most n, got (.+)", "块大小不能超过 N，得到的是 {0}"),
     (r"--image: no such file: (.+)", "--image：没有这个文件：{0}"),
+    (
+        r"(\S+): a name of (\d+) bytes \((.+)\); a file or folder name may have at most (\d+)",
+        "{0}：名字有 {1} 字节（{2}）；文件名或文件夹名最多 {3} 字节",
+    ),
     (r"width must be a positive number of pixels, got (.+)", "宽度须为正的像素数，得到的是 {0}"),
     (r"height must be a positive number of pixels, got (.+)", "高度须为正的像素数，得到的是 {0}"),
     (

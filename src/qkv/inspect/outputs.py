@@ -9,9 +9,11 @@ permission bits, so read-only file systems and /proc are caught as well as missi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import sys
 import tempfile
+import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -36,6 +38,7 @@ def check_file(
     """
     if allow_stdout and str(path) == STDOUT:
         return
+    check_name_lengths(path, option)
     p = Path(path)
     shown = f"{option} {str(path)!r}"
     if formats is not None and p.suffix:
@@ -67,6 +70,7 @@ def check_folder(path: str | Path, option: str) -> Path:
     """Raise `OutputError` unless `path` is, or can be created as, a folder we can write in.
 
     Nothing is created: the nearest existing ancestor must be a folder that accepts a file."""
+    check_name_lengths(path, option)
     p = Path(path)
     shown = f"{option} {str(path)!r}"
     if p.exists() and not p.is_dir():
@@ -101,8 +105,48 @@ def write_json(doc: object, target: str | Path, *, indent: int | None = None) ->
     Path(target).write_text(text + "\n", encoding="utf-8")
 
 
+def terminal_safe(text: str) -> str:
+    """`text` safe for a terminal: control characters (escape sequences, bells, carriage
+    returns: what could retitle a terminal or hide a line) written as `\\x1b`, `\\x07`, ...;
+    newlines and tabs kept."""
+    return "".join(
+        f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c
+        for c in text
+    )
+
+
 def say_to(json_target: str | Path | None):
-    """Where human-readable text goes: stdout, or stderr when stdout carries the JSON."""
-    if json_target is not None and str(json_target) == STDOUT:
-        return lambda *a: print(*a, file=sys.stderr)
-    return print
+    """Where human-readable text goes: stdout, or stderr when stdout carries the JSON; control
+    characters of the user's text shown escaped (`terminal_safe`)."""
+    stream = sys.stderr if json_target is not None and str(json_target) == STDOUT else None
+
+    def say(*parts: object) -> None:
+        print(*(terminal_safe(str(p)) for p in parts), file=stream or sys.stdout)
+
+    return say
+
+
+NAME_MAX = 255  # bytes in one file or folder name (Linux, macOS; pathconf says where it can)
+SLUG_MAX = 40  # characters of a word kept in a file name made from it
+
+
+def slug(word: str) -> str:
+    """A file-name part made from a user's word: letters and digits kept, anything else `_`, at
+    most `SLUG_MAX` characters; a longer (or empty) result ends with 8 hex digits of the word's
+    hash, so that two long words do not share a file."""
+    base = "".join(c if c.isalnum() else "_" for c in word.lower())
+    if 0 < len(base) <= SLUG_MAX:
+        return base
+    digest = hashlib.sha1(word.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{base[: SLUG_MAX - 9]}_{digest}" if base else digest
+
+
+def check_name_lengths(path: str | Path, option: str) -> None:
+    """Raise `OutputError` when a part of `path` is longer than a file name may be."""
+    for part in Path(path).parts:
+        size = len(part.encode("utf-8", "surrogateescape"))
+        if size > NAME_MAX:
+            raise OutputError(
+                f"{option}: a name of {size} bytes ({part[:24]!r}…); a file or folder name may "
+                f"have at most {NAME_MAX}"
+            )
