@@ -179,3 +179,17 @@ def test_matching_apply_and_errors():
         log_size_bias(torch.zeros(1, 3))
     with pytest.raises(ValueError, match="metric must have shape"):
         merge(x, torch.randn(10, 3), 2)
+
+
+def test_the_size_score_modifier_pickles_and_computes_the_same():
+    import pickle
+
+    from qkv.vision.tome import size_score_mod
+
+    g = torch.Generator().manual_seed(0)
+    size = torch.randint(1, 4, (2, 7), generator=g).float()
+    mod = size_score_mod(size)
+    copy = pickle.loads(pickle.dumps(mod))
+    q = torch.randn(2, 2, 7, 8, generator=g)
+    want = qkv.attention(q, q, q, score_mod=mod, backend="tiled")
+    assert torch.equal(qkv.attention(q, q, q, score_mod=copy, backend="tiled"), want)

@@ -175,11 +175,17 @@ def size_score_mod(size: torch.Tensor) -> ScoreMod:
     """Proportional attention as a score modifier: adds `log size[b, key]` inside every tile
     (to combine with a structured `qkv.masks.Mask`)."""
     table = _check_size(size).log()
+    return ScoreMod(_LogSize(table), f"log_size(B={table.shape[0]}, N={table.shape[1]})")
 
-    def fn(score, b, h, q, kv):
-        return score + table.to(score)[b, kv]
 
-    return ScoreMod(fn, f"log_size(B={table.shape[0]}, N={table.shape[1]})")
+class _LogSize:
+    """`score + log size[b, key]`: a named rule (not a closure), so the modifier pickles."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # (B, N) log sizes
+
+    def __call__(self, score, b, h, q, kv):
+        return score + self.table.to(score)[b, kv]
 
 
 def proportional_attention(
