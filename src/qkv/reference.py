@@ -68,6 +68,15 @@ def check_fits(plan: AttentionPlan, device: torch.device, copies: int = SCORE_CO
     )
 
 
+def _mod_grid(plan: AttentionPlan, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A score modifier's index arguments over the whole score matrix: batch `(B, 1, 1, 1)`,
+    head `(1, H, 1, 1)`, query position `(Nq, 1)` (bottom-right aligned) and key `(Nk,)`."""
+    b = torch.arange(plan.batch, device=device).view(plan.batch, 1, 1, 1)
+    h = torch.arange(plan.heads, device=device).view(1, plan.heads, 1, 1)
+    pos = torch.arange(plan.q_len, device=device).view(plan.q_len, 1) + plan.pairs.causal_offset
+    return b, h, pos, torch.arange(plan.kv_len, device=device)
+
+
 def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Steps:
     """The formula on canonical 4-D tensors; returns 4-D `Steps`. Differentiable by autograd."""
     check_fits(plan, q.device)
@@ -85,10 +94,7 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         bias = plan.pairs.bias.to(cdt)
         S_scaled = torch.where(torch.isneginf(bias), -torch.inf, S_scaled + bias)
     if plan.score_mod is not None:
-        b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-        h = torch.arange(H, device=q.device).view(1, H, 1, 1)
-        pos = torch.arange(Nq, device=q.device).view(Nq, 1) + plan.pairs.causal_offset
-        S_scaled = plan.score_mod(S_scaled, b, h, pos, torch.arange(Nk, device=q.device))
+        S_scaled = plan.score_mod(S_scaled, *_mod_grid(plan, q.device))
     # Nothing to mask in an empty problem (and a size-0 bool mask has no entry to index).
     allowed = plan.pairs.dense(q.device) if S_scaled.numel() else None
     if allowed is not None:
@@ -160,10 +166,7 @@ def _lean(
         bias = plan.pairs.bias.to(cdt)
         s.add_(bias).masked_fill_(torch.isneginf(bias), -torch.inf)
     if plan.score_mod is not None:
-        b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-        h = torch.arange(H, device=q.device).view(1, H, 1, 1)
-        pos = torch.arange(Nq, device=q.device).view(Nq, 1) + plan.pairs.causal_offset
-        s = plan.score_mod(s, b, h, pos, torch.arange(Nk, device=q.device))
+        s = plan.score_mod(s, *_mod_grid(plan, q.device))
     allowed = plan.pairs.dense(q.device) if s.numel() else None
     if allowed is not None:
         s.masked_fill_(~allowed, -torch.inf)

@@ -208,35 +208,15 @@ def flash_data(
     }
 
 
-def flash_html(
-    *,
-    lang: str = "en",
-    n: int = 8,
-    tile: int = 2,
-    seed: int = 0,
-    d: int = 8,
-    d_k: int = 4,
-    causal: bool = False,
-) -> str:
+def flash_html(**options) -> str:
     """The page as one HTML string (`flash_data`'s options)."""
-    data = flash_data(lang=lang, n=n, tile=tile, seed=seed, d=d, d_k=d_k, causal=causal)
     template = resources.files("qkv.inspect").joinpath("flash.html").read_text(encoding="utf-8")
-    return template.replace(PLACEHOLDER, script_json(data))
+    return template.replace(PLACEHOLDER, script_json(flash_data(**options)))
 
 
-def write_flash_page(
-    path: str | Path,
-    *,
-    lang: str = "en",
-    n: int = 8,
-    tile: int = 2,
-    seed: int = 0,
-    d: int = 8,
-    d_k: int = 4,
-    causal: bool = False,
-) -> Path:
-    """Write the page to `path` (English or Chinese, switchable on the page); returns it."""
+def write_flash_page(path: str | Path, **options) -> Path:
+    """Write the page to `path` (`flash_data`'s options: English or Chinese, switchable on the
+    page); returns it."""
     path = Path(path)
-    html = flash_html(lang=lang, n=n, tile=tile, seed=seed, d=d, d_k=d_k, causal=causal)
-    path.write_text(html, encoding="utf-8")
+    path.write_text(flash_html(**options), encoding="utf-8")
     return path
