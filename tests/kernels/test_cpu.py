@@ -136,8 +136,9 @@ def test_mask_pattern_forward_and_gradients(name, n, causal):
 
 @pytest.mark.parametrize("name", ["window", "document", "varlen-causal", "per-head"])
 def test_bfloat16_gradients_under_masks(name):
-    """The bfloat16 backward (on the amx path its products run on the tile unit, P and dS in two
-    parts) over partial tiles, a last tile of 44 rows (N = 300, tiles of 64) and Dv ≠ D."""
+    """The bfloat16 backward (on the amx and avx512bf16 paths its products run on bfloat16
+    pairs, P and dS rounded to bfloat16) over partial tiles, a last tile of 44 rows (N = 300,
+    tiles of 64) and Dv ≠ D."""
     n = 300
     q, k, v = make_qkv(B=1, H=4, Hkv=2, Nq=n, D=64, Dv=40, dtype=torch.bfloat16, requires_grad=True)
     m = PATTERNS[name](n)

@@ -94,6 +94,9 @@ MATRIX = {
         dict(B=1, H=4, Nq=200, D=64),
         dict(causal=True, score_mod=scores.compose(ALIBI_4_HEADS, scores.softcap(2.0))),
     ),
+    # 16 heads: the backward walks all 5 key columns in one chunk, reading the query tiles'
+    # rows from its packed cache after the first
+    "one-chunk": (dict(B=4, H=4, Nq=300, D=64), dict(causal=True)),
     "decode": (dict(B=2, H=8, Hkv=2, Nq=1, Nk=1000, D=64), {}),
     "decode-window": (dict(B=1, H=4, Nq=3, Nk=700, D=64), dict(causal=True)),
 }
@@ -114,6 +117,22 @@ def test_bfloat16_passes_the_rule_on_the_dot_products(monkeypatch, case):
     plain = _run(monkeypatch, "avx512", q, k, v, dout.bfloat16(), **kw)
     if case == "dense":  # the dot products ran: other sums than the float path's, other bits
         assert not all(torch.equal(a, b) for a, b in zip(got, plain, strict=True))
+
+
+@needs_path
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bfloat16_peaked_rows_pass_the_rule(monkeypatch, causal):
+    # keys = queries: each row's largest weight (on its own key, score |q|²/8 ≈ 8) exceeds one
+    # half, so the backward forms dP exactly and dS = P ∘ (dP − Δ) in double there, reading the
+    # rows as floats at every column (not only from the packed cache: B·H = 16 heads make one
+    # chunk of all 5 columns); the other tiles round P and dS to bfloat16 from float
+    g = torch.Generator().manual_seed(4)
+    q, v = (torch.randn(4, 4, 300, 64, generator=g).bfloat16() for _ in range(2))
+    dout = torch.randn(4, 4, 300, 64, generator=g)
+    got = _run(monkeypatch, PATH, q, q, v, dout.bfloat16(), causal=causal)
+    ref, gold = _reference(q, q, v, dout, torch.bfloat16, causal=causal)
+    for what, a, r, gl in zip(("dq", "dk", "dv"), got[1:], ref[1:], gold[1:], strict=True):
+        assert_error_ratio(a, r, gl, factor=3, what=what)
 
 
 @needs_path

@@ -62,10 +62,11 @@ static void flush_dq(const Problem& P, const BwdPlan& Bp, int64_t b, int64_t hkv
 // the dropout hash. The column pass (bwd_item) and the row pass (delta_item) both load rows with
 // it, so the row pass recomputes P and dP from the very same inputs.
 static inline void bwd_row(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r,
-                           BwdBufs& w, bool rows_in_place = false) {
+                           BwdBufs& w, bool rows_in_place = false, bool packed = false) {
   const Layout& L = P.lay;
   const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
-  if (rows_in_place) {  // w.q and w.dO point at the tensors' rows: the norm only
+  if (packed) {  // bfloat16 rows the cache holds packed (BwdBf16.rows): no floats, no norm
+  } else if (rows_in_place) {  // w.q and w.dO point at the tensors' rows: the norm only
     w.qn[r] = row_norm(P, w.q + r * P.Dp);
   } else {
     load_q(P, b, h, r0 + r, w.q + r * P.Dp, w.q64 + r * P.Dp, w.qn + r);
@@ -101,6 +102,25 @@ static inline void dp_operands(const Problem& P, int64_t nr, bool& vt_ready, Bwd
 // first touches the tile (bwd_open_tiles) to the last (bwd_flush_tiles). The steps are
 // QKV_STEP: inlined, so the item still compiles as one function.
 
+// A query tile's rows of one head as the bfloat16 products read them, one entry of the rows
+// cache (BwdBf16.rows): Q's and dO's rows as A tiles (the scores, dP = dO Vᵀ; tile_pack_rows)
+// and Qᵀ and dOᵀ as A tiles (dKᵀ += Qᵀ dS, dVᵀ += dOᵀ P; tile_pack_a)
+struct RowPacks {
+  uint16_t *qa, *da, *qta, *dta;
+};
+static inline int64_t row_packs_elems(const Problem& P, int64_t bq) {  // uint16 elements
+  return tile_a_elems(bq, P.D) + tile_a_elems(bq, P.Dv) + tile_a_elems(P.Dp, bq) +
+         tile_a_elems(P.Dvp, bq);
+}
+static inline RowPacks row_packs(const Problem& P, int64_t bq, uint16_t* e) {
+  RowPacks rp;
+  rp.qa = e;
+  rp.da = rp.qa + tile_a_elems(bq, P.D);
+  rp.qta = rp.da + tile_a_elems(bq, P.Dv);
+  rp.dta = rp.qta + tile_a_elems(P.Dp, bq);
+  return rp;
+}
+
 // One item's chunk of columns and how it is walked
 struct BwdChunk {
   int64_t b, hkv;
@@ -111,6 +131,7 @@ struct BwdChunk {
   int64_t live;        // most query tiles live at once
   int64_t kvs;         // doubles of one column's dK_j and dV_j kept between passes
   int64_t qpe, dpe;    // float32 on the tiles: one cache entry's parts of Q's rows, of dO's
+  int64_t rpe;         // bfloat16 on the tiles: one rows cache entry's elements (RowPacks)
   bool rows_in_place;  // float32 rows of Q and dO read in place (ld Dp, Dvp already)
 };
 
@@ -145,6 +166,7 @@ QKV_STEP BwdChunk bwd_chunk(const Problem& P, const BwdPlan& Bp, const BwdItem& 
   ch.kvs = BK * (P.Dp + P.Dvp);
   ch.qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
   ch.dpe = w.f32.vb3 ? tile_a3_elems(bq, P.Dv) : 0;          // … of dO's rows
+  ch.rpe = bwd_on_tiles(P) ? row_packs_elems(P, bq) : 0;
   ch.rows_in_place = P.dtype == DT_F32 && P.precise_scores && !P.dot_scores && P.D == P.Dp &&
                      P.Dv == P.Dvp && P.q.sn == P.Dp && P.dout.sn == P.Dvp;
   return ch;
@@ -161,6 +183,7 @@ QKV_STEP void bwd_open_tiles(const BwdPlan& Bp, const BwdChunk& ch, int64_t j, B
       __builtin_memset(w.f32.qc.state + s * ch.gs, PARTS_EMPTY, (size_t)ch.gs);
       __builtin_memset(w.f32.dc.state + s * ch.gs, PARTS_EMPTY, (size_t)ch.gs);
     }
+    if (ch.rpe) __builtin_memset(w.bf16.state + s * ch.gs, 0, (size_t)ch.gs);
     ++ps.next_first;
   }
 }
@@ -193,6 +216,11 @@ QKV_STEP BwdColumn bwd_column_start(const Problem& P, const BwdChunk& ch, int64_
   col.vt_ready = false;
   if (kept) {
     bwd_pack(P, ch.b, ch.hkv, col.c0, col.kw, w);
+    if (bwd_on_tiles(P)) {  // the column's operands of the scores, dP and dQ, once
+      if (!P.dot_scores) pack_b_blocks(w.kt, BK, P.D, 4, 4, w.bf16.kt_pairs);
+      pack_b_blocks(w.vt, BK, P.Dv, 4, 4, w.bf16.vt_pairs);
+      pack_b_blocks(w.kr, P.Dp, BK, P.Dp / 16, P.Dp / 16, w.bf16.k_pairs);
+    }
     if (g0 == 0) {
       __builtin_memset(col.dk64, 0, (size_t)(BK * P.Dp) * 8);
       __builtin_memset(col.dv64, 0, (size_t)(BK * P.Dvp) * 8);
@@ -205,87 +233,122 @@ QKV_STEP BwdColumn bwd_column_start(const Problem& P, const BwdChunk& ch, int64_
 QKV_STEP void bwd_store_dkv(const Problem& P, const BwdChunk& ch, const BwdColumn& col,
                             BwdBufs& w) {
   const int64_t es = elem_size(P.dtype);
+  // (bfloat16 on the tiles: dKᵀ and dVᵀ, element (d, key jj) at d·BK + jj)
+  const int64_t kd = ch.rpe ? BK : 1, kj = ch.rpe ? 1 : P.Dp, vj = ch.rpe ? 1 : P.Dvp;
   for (int64_t jj = 0; jj < col.kw; ++jj) {
     const int64_t row = (ch.b * P.Hkv + ch.hkv) * P.Nk + col.c0 + jj;
-    for (int64_t d = 0; d < P.D; ++d) w.tmp[d] = (float)(col.dk64[jj * P.Dp + d] * P.mods.scale64);
+    for (int64_t d = 0; d < P.D; ++d)
+      w.tmp[d] = (float)(col.dk64[jj * kj + d * kd] * P.mods.scale64);
     store_row((char*)P.dk + row * P.D * es, P.dtype, w.tmp, P.D);
-    for (int64_t d = 0; d < P.Dv; ++d) w.tmp[d] = (float)col.dv64[jj * P.Dvp + d];
+    for (int64_t d = 0; d < P.Dv; ++d) w.tmp[d] = (float)col.dv64[jj * vj + d * kd];
     store_row((char*)P.dv + row * P.Dv * es, P.dtype, w.tmp, P.Dv);
   }
 }
 
 // The nr rows of head h of the query tile (rows r0 …): Q and dO (read in place, or copied to
-// the buffers qbuf and dobuf), their state (bwd_row) and the row pass's Δ
+// the buffers qbuf and dobuf, or neither where the rows cache holds them packed: `packed`),
+// their state (bwd_row) and the row pass's Δ
 QKV_STEP void bwd_load_rows(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t nr,
-                            bool in_place, float* qbuf, float* dobuf, BwdBufs& w) {
+                            bool in_place, bool packed, float* qbuf, float* dobuf, BwdBufs& w) {
   w.q = in_place ? (float*)row_of(P.q, P.dtype, b, h, r0) : qbuf;
   w.dO = in_place ? (float*)row_of(P.dout, P.dtype, b, h, r0) : dobuf;
   for (int64_t r = 0; r < nr; ++r) {
     const int64_t idx = (b * P.H + h) * P.Nq + r0 + r;
-    bwd_row(P, b, h, r0, r, w, in_place);
+    bwd_row(P, b, h, r0, r, w, in_place, packed);
     w.delta[r] = P.delta[idx];  // the row pass's Δ (delta_item)
   }
 }
 
 // dP = dO Vᵀ of the rows, into w.dp64. Float32 on the tiles: as the scores are formed (dO's
 // rows' parts against the V tile's), gemm_dp's float chains, unless the split cannot carry some
-// value of either; bfloat16: on the tiles (one float chain over Dv, widened); else gemm_dp
-// (exact in double for a tile holding a peaked row)
+// value of either; bfloat16: on the tiles (one float chain over Dv, in w.o as floats); else
+// gemm_dp (exact in double for a tile holding a peaked row)
 QKV_STEP void bwd_dp(const Problem& P, const BwdChunk& ch, bool exact, int64_t nr, int64_t ci,
-                     BwdColumn& col, BwdBufs& w) {
+                     const RowPacks* rp, BwdColumn& col, BwdBufs& w) {
   const int64_t Dvp = P.Dvp, bq = P.lay.bq;
   if (exact || !DP_FLOAT_CHAINS) dp_operands(P, nr, col.vt_ready, w);
   if (!exact && ch.dpe && w.f32.vbad == 0 &&
       parts_of(w.f32.dc, ci, ch.dpe, bq, nr, P.Dv, w.dO, Dvp, 1.0f) == PARTS_PACKED) {
     tile_chain3_f64(nr, P.Dv, w.f32.dc.parts + ci * ch.dpe, w.f32.vb3, w.dp64, BK);
   } else if (!exact && bwd_on_tiles(P) &&
-             tile_gemm(nr, BK, P.Dv, w.dO, Dvp, nullptr, w.vt, BK, nullptr, w.o, BK)) {
-    for (int64_t x = 0; x < nr * BK; ++x) w.dp64[x] = (double)w.o[x];
+             tile_gemm(nr, BK, P.Dv, w.dO, Dvp, rp ? rp->da : nullptr, w.vt, BK,
+                       w.bf16.vt_pairs, w.o, BK)) {
+    // dP in w.o, floats (bwd_p_ds_tiles reads them)
   } else {
     gemm_dp(nr, BK, P.Dv, w.dO, Dvp, w.dO64, w.vt, w.vt64, BK, w.dp64, BK, exact);
   }
 }
 
-// P and dS = P ∘ (dP̃ − Δ) (times dt/dx under a softcap) of the rows, into w.p and w.ds: P
-// recomputed from the forward's (m, l), the forward's scores (same bits), dropped and rescaled
+// Row r's P (dropped and rescaled: pd) and dS = P ∘ (dP̃ − Δ) (times dt/dx under a softcap) over
+// the column's keys, zeros where the row attends none of them (or r ≥ nr): P recomputed from the
+// forward's (m, l), the forward's scores (same bits). dP̃ − Δ in double from w.dp64, or, with
+// `float_dp` (bfloat16 inputs on the tiles outside peaked tiles: P and dS round to bfloat16
+// next), in float from w.o, P = e^(s − m) · (1/l) then in float too.
+QKV_STEP void p_ds_row(const Problem& P, const BwdColumn& col, int64_t code, int64_t r, int64_t nr,
+                       bool float_dp, V16* pd, V16* ds, BwdBufs& w) {
+  const Layout& L = P.lay;
+  const V16 zero = v_set(0.0f);
+  const uint64_t allowed = r >= nr             ? 0
+                           : code == TILE_FULL ? col.edge
+                                               : L.bits[code * (L.bm * L.hm * L.bq) + w.bitoff[r]];
+  if (allowed == 0 || w.inv_l[r] == 0.0) {
+    for (int64_t q = 0; q < 4; ++q) pd[q] = ds[q] = zero;
+    return;
+  }
+  const bool cap = P.mods.cap != 0.0f;
+  float* srow = w.s + r * BK;
+  float* frow = w.dfac + r * BK;
+  row_scores(P.mods, w.slope[r], w.qpos[r], col.c0, allowed, srow, srow, cap ? frow : nullptr);
+  const float* lorow = lo_row(P, w, r);
+  const V16 mv = v_set(w.mrow[r]), keep_scale = v_set(P.drop.keep_scale);
+  const double inv = w.inv_l[r], delta = w.delta[r];
+  const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
+  const V16 inv_f = v_set((float)inv), delta_f = v_set((float)delta), mul_f = v_set((float)drop_mul);
+  for (int64_t q = 0; q < 4; ++q) {
+    const V16 e = exp_scores(srow, lorow, q, mv);
+    const V16 p = float_dp ? v_mul(e, inv_f) : v_mul_f64(e, inv);
+    M16 keep = m_bits(0xFFFFu);
+    pd[q] = p;
+    if (P.drop.on) {
+      keep = drop_keep(P.drop, w.rowh[r], w.colh + 16 * q);
+      pd[q] = v_select(keep, v_mul(p, keep_scale), zero);
+    }
+    const V16 dd = float_dp
+                       ? v_sub(v_select(keep, v_mul(v_load(w.o + r * BK + 16 * q), mul_f), zero), delta_f)
+                       : v_dsub(w.dp64 + r * BK + 16 * q, drop_mul, delta, keep);
+    ds[q] = v_mul(p, dd);
+    if (cap) ds[q] = v_mul(ds[q], v_load(frow + 16 * q));
+  }
+}
+
+// P and dS of the rows into w.p and w.ds (the float products)
 QKV_STEP void bwd_p_ds_rows(const Problem& P, const BwdColumn& col, int64_t code, int64_t nr,
                             BwdBufs& w) {
-  const Layout& L = P.lay;
-  const int64_t code_stride = L.bm * L.hm * L.bq;
-  const bool cap = P.mods.cap != 0.0f;
-  const V16 keep_scale = v_set(P.drop.keep_scale), zero = v_set(0.0f);
-  const double drop_mul = P.drop.on ? (double)P.drop.keep_scale : 1.0;
   for (int64_t r = 0; r < nr; ++r) {
-    float* srow = w.s + r * BK;
-    const float* lorow = lo_row(P, w, r);
-    float* prow = w.p + r * BK;
-    float* dsrow = w.ds + r * BK;
-    float* frow = w.dfac + r * BK;
-    const uint64_t allowed =
-        code == TILE_FULL ? col.edge : L.bits[code * code_stride + w.bitoff[r]];
-    if (allowed == 0 || w.inv_l[r] == 0.0) {
-      for (int64_t q = 0; q < 4; ++q) {
-        v_store(prow + 16 * q, zero);
-        v_store(dsrow + 16 * q, zero);
-      }
-      continue;
-    }
-    row_scores(P.mods, w.slope[r], w.qpos[r], col.c0, allowed, srow, srow, cap ? frow : nullptr);
-    const V16 mv = v_set(w.mrow[r]);
-    const double inv = w.inv_l[r], delta = w.delta[r];
+    V16 pd[4], ds[4];
+    p_ds_row(P, col, code, r, nr, false, pd, ds, w);
     for (int64_t q = 0; q < 4; ++q) {
-      const V16 p = v_mul_f64(exp_scores(srow, lorow, q, mv), inv);
-      V16 pd = p;
-      M16 keep = m_bits(0xFFFFu);
-      if (P.drop.on) {
-        keep = drop_keep(P.drop, w.rowh[r], w.colh + 16 * q);
-        pd = v_select(keep, v_mul(p, keep_scale), zero);
-      }
-      V16 ds = v_mul(p, v_dsub(w.dp64 + r * BK + 16 * q, drop_mul, delta, keep));
-      if (cap) ds = v_mul(ds, v_load(frow + 16 * q));
-      v_store(prow + 16 * q, pd);
-      v_store(dsrow + 16 * q, ds);
+      v_store(w.p + r * BK + 16 * q, pd[q]);
+      v_store(w.ds + r * BK + 16 * q, ds[q]);
     }
+  }
+}
+
+// P and dS of the rows, rounded to bfloat16 once, as the tile products read them: P and dS as B
+// blocks over the rows (w.bf16.pb, dsb: dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS), dS as A tiles (w.bf16.dsa:
+// dQ += dS K); rows nr … to a whole step of 32 zero
+QKV_STEP void bwd_p_ds_tiles(const Problem& P, const BwdColumn& col, int64_t code, int64_t nr,
+                             bool exact, BwdBufs& w) {
+  const int64_t steps = (nr + 31) / 32 * 32;
+  for (int64_t r = 0; r < steps; r += 2) {
+    V16 pd[2][4], ds[2][4];
+    for (int64_t h = 0; h < 2; ++h) {
+      p_ds_row(P, col, code, r + h, nr, !exact, pd[h], ds[h], w);
+      tile_put_p(ds[h][0], ds[h][1], w.bf16.dsa, r + h, 0);
+      tile_put_p(ds[h][2], ds[h][3], w.bf16.dsa, r + h, 2);
+    }
+    tile_put_pair(pd[0], pd[1], r, w.bf16.pb);
+    tile_put_pair(ds[0], ds[1], r, w.bf16.dsb);
   }
 }
 
@@ -296,29 +359,27 @@ QKV_STEP void bwd_p_ds_rows(const Problem& P, const BwdColumn& col, int64_t code
 constexpr int64_t ONE_CHAIN = int64_t(1) << 40;
 
 // dV_j += Pᵀ dO and dK_j += dSᵀ Q; dQ (qacc: this head's in the tile's pool slot) += dS K_j:
-// exactly in double (small float32 gradients), on the tile unit (bfloat16: Pᵀ, dSᵀ and dS in
-// two parts; keys ≥ kw: P = dS = 0) or in float chains summed in double
+// exactly in double (small float32 gradients), on the tile unit (bfloat16, rp: dVᵀ_j += dOᵀ P
+// and dKᵀ_j += Qᵀ dS, transposed, from P and dS as bwd_p_ds_tiles wrote them, rounded to
+// bfloat16; keys ≥ kw: P = dS = 0) or in float chains summed in double
 QKV_STEP void bwd_acc_grads(const Problem& P, const BwdColumn& col, int64_t nr, double* qacc,
-                            BwdBufs& w) {
+                            const RowPacks* rp, BwdBufs& w) {
   const int64_t acc_chain = P.dtype == DT_F32 ? ACC_CHAIN : ONE_CHAIN;
   const int64_t Dp = P.Dp, Dvp = P.Dvp, kw = col.kw;
   if (P.exact_dkv) {
     gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, col.dv64, Dvp);
     gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, col.dk64, Dp);
-  } else if (bwd_on_tiles(P)) {
-    tile_pack_a(BK, nr, w.p, BK, true, 2, w.bf16.ta);
-    tile_acc(BK, Dvp, nr, w.bf16.ta, 2, w.dO, Dvp, w.bf16.tb, col.dv64, Dvp);
-    tile_pack_a(BK, nr, w.ds, BK, true, 2, w.bf16.ta);
-    tile_acc(BK, Dp, nr, w.bf16.ta, 2, w.q, Dp, w.bf16.tb, col.dk64, Dp);
+  } else if (rp) {  // (dKᵀ and dVᵀ)
+    tile_acc(Dvp, BK, nr, rp->dta, nullptr, BK, w.bf16.pb, col.dv64, BK);
+    tile_acc(Dp, BK, nr, rp->qta, nullptr, BK, w.bf16.dsb, col.dk64, BK);
   } else {
     gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, col.dv64, Dvp, w.o, acc_chain);
     gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, col.dk64, Dp, w.o, acc_chain);
   }
   if (P.exact_dq) {
     gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc, Dp);
-  } else if (bwd_on_tiles(P)) {
-    tile_pack_a(nr, BK, w.ds, BK, false, 2, w.bf16.ta);
-    tile_acc(nr, Dp, BK, w.bf16.ta, 2, w.kr, Dp, w.bf16.tb, qacc, Dp);
+  } else if (rp) {
+    tile_acc(nr, Dp, BK, w.bf16.dsa, nullptr, Dp, w.bf16.k_pairs, qacc, Dp);
   } else {
     gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc, Dp, w.o, acc_chain);
   }
@@ -337,9 +398,28 @@ QKV_STEP void bwd_tile_head(const Problem& P, const BwdPlan& Bp, const BwdChunk&
   // copied per (column, query tile); not the last query tile, so that reads a vector past a
   // tile's last row stay inside the tensor
   const bool in_place = ch.rows_in_place && i + 1 < L.nqb;
-  bwd_load_rows(P, b, hkv * P.G + g, r0, nr, in_place, qbuf, dobuf, w);
   const int64_t slot = w.slot_of[Bp.local[e]];
-  const int64_t ci = ch.qpe ? slot * ch.gs + g - ps.g0 : 0;  // the caches' entry
+  const int64_t ci = slot * ch.gs + g - ps.g0;  // the caches' entry
+  // bfloat16 on the tiles: the rows packed at the tile's first column (read as floats only by
+  // the exact dP of a peaked tile)
+  RowPacks rows;
+  const bool cached = ch.rpe && w.bf16.state[ci];
+  if (ch.rpe) rows = row_packs(P, bq, w.bf16.rows + ci * ch.rpe);
+  bwd_load_rows(P, b, hkv * P.G + g, r0, nr, in_place, cached && !exact && !P.dot_scores, qbuf,
+                dobuf, w);
+  if (ch.rpe && !cached) {
+    tile_pack_rows(nr, P.D, w.q, Dp, rows.qa, 1.0f);
+    tile_pack_rows(nr, P.Dv, w.dO, P.Dvp, rows.da, 1.0f);
+    tile_pack_a(Dp, nr, w.q, Dp, rows.qta);
+    tile_pack_a(P.Dvp, nr, w.dO, P.Dvp, rows.dta);
+    w.bf16.state[ci] = 1;
+  }
+  if (ch.rpe && !P.dot_scores) {  // the scores from the packed rows and the column's Kᵀ
+    w.tile.qa = rows.qa;
+    w.tile.qa_on = true;
+    w.tile.qa_scaled = false;
+    w.tile.kpairs = w.bf16.kt_pairs;
+  }
   if (ch.qpe) {  // the rows' parts, for the scores
     parts_of(w.f32.qc, ci, ch.qpe, bq, nr, P.D, w.q, Dp,
              tile_scale_folds(P.mods.scale) ? P.mods.scale : 1.0f);
@@ -349,9 +429,13 @@ QKV_STEP void bwd_tile_head(const Problem& P, const BwdPlan& Bp, const BwdChunk&
   }
   tile_scores(P, nr, w.q, w.q64, Dp, w.kr, Dp, col.kw, w);
   exact_rows(P, nr, w.kr, Dp, col.kw, w);
-  bwd_dp(P, ch, exact, nr, ci, col, w);
-  bwd_p_ds_rows(P, col, L.code_t[e], nr, w);
-  bwd_acc_grads(P, col, nr, w.pool + slot * ch.tile + (g - ps.g0) * bq * Dp, w);
+  const RowPacks* rp = ch.rpe ? &rows : nullptr;
+  bwd_dp(P, ch, exact, nr, ci, rp, col, w);
+  if (rp)
+    bwd_p_ds_tiles(P, col, L.code_t[e], nr, exact, w);
+  else
+    bwd_p_ds_rows(P, col, L.code_t[e], nr, w);
+  bwd_acc_grads(P, col, nr, w.pool + slot * ch.tile + (g - ps.g0) * bq * Dp, rp, w);
 }
 
 // One pass of heads g0 … over the chunk, column by column
@@ -375,7 +459,8 @@ QKV_STEP void bwd_pass(const Problem& P, const BwdPlan& Bp, const BwdChunk& ch, 
 static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, BwdBufs& w) {
   const BwdChunk ch = bwd_chunk(P, Bp, it, w);
   const int64_t kv_need = ch.gs < P.G ? (ch.j1 - ch.j0) * ch.kvs : 0;
-  if (!bwd_reserve(w, kv_need, ch.live, ch.tile, ch.gs, ch.qpe, ch.dpe, P.lay.bq, ch.t1 - ch.t0))
+  if (!bwd_reserve(w, kv_need, ch.live, ch.tile, ch.gs, ch.qpe, ch.dpe, ch.rpe, P.lay.bq,
+                   ch.t1 - ch.t0))
     return false;
   float* const qbuf = w.q;  // (w.q and w.dO point at the tensors' rows while read in place)
   float* const dobuf = w.dO;

@@ -101,57 +101,36 @@ static inline void tile_put_p(V16 x0, V16 x1, uint16_t* a, int64_t R, int64_t q)
   _mm512_storeu_si512(a + (R / 16 * 2 + q / 2) * 512 + (R % 16) * 32, (__m512i)_mm512_cvtne2ps_pbh(x1.v, x0.v));
 }
 
-// 32 floats of a row (x0, x1) as 32 bfloat16 at d in one part (rounded to nearest), or in two:
-// hi = x with its low 16 bits cleared (a bfloat16 by truncation) at d, lo = bf16(x − hi) at
-// d + 512 (x − hi is exact, below 2⁻⁷ of x; lo rounds it to nearest: x carries at most 2⁻¹⁶ of
-// itself). Two vectors at once: one permutation gathers the 32 high halves, one conversion
-// rounds the 32 low parts.
-static inline void put_row_parts(__m512 x0, __m512 x1, int parts, uint16_t* d) {
-  if (parts == 1) {
-    _mm512_storeu_si512(d, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-    return;
-  }
-  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
-                                       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-  const __m512i b0 = _mm512_castps_si512(x0), b1 = _mm512_castps_si512(x1);
-  const __m512 l0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_and_si512(b0, top)));
-  const __m512 l1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(b1, top)));
-  _mm512_storeu_si512(d, _mm512_permutex2var_epi16(b0, odd, b1));
-  _mm512_storeu_si512(d + 512, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
+// Rows r and r + 1 (r even) of 64 keys (x, y: 4 vectors each; y zeros past the last row), rounded
+// to bfloat16, as the B blocks of a product over rows (pack_b_blocks's layout, 4 blocks of 16 keys
+// a step of 32 rows): step r/32, pair row (r % 32)/2 of each block holds (x[c], y[c]) for its
+// 16 keys c. The backward writes P and dS this way as it forms them (dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS).
+static inline void tile_put_pair(const V16* x, const V16* y, int64_t r, uint32_t* bt) {
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  uint32_t* d = bt + r / 32 * 4 * 256 + (r % 32) / 2 * 16;
+  for (int t = 0; t < 4; ++t)
+    _mm512_storeu_si512(d + t * 256, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(y[t].v, x[t].v)));
 }
 
-// A tiles (`parts` parts) of X's rows (M rows of K floats, ld ldx): A[m][k] = X[m][k]; or, with
-// `transposed`, of Xᵀ for X of K rows × M columns: A[m][k] = X[k][m]. Row block m/16, step kk,
-// part p at dst + ((m/16 · nk + kk) · parts + p) · 512, nk = ⌈K/32⌉; zero past M and K. M a
-// multiple of 16 where transposed.
-static void tile_pack_a(int64_t M, int64_t K, const float* X, int64_t ldx, bool transposed,
-                        int parts, uint16_t* dst) {
+// The A tiles of Xᵀ for X of K rows × M columns (ld ldx), rounded to bfloat16: A[m][k] = X[k][m],
+// row block m/16, step kk at dst + (m/16 · nk + kk) · 512, nk = ⌈K/32⌉; zero past K. M a multiple
+// of 16. (The backward's Qᵀ and dOᵀ: dKᵀ += Qᵀ dS, dVᵀ += dOᵀ P.)
+static void tile_pack_a(int64_t M, int64_t K, const float* X, int64_t ldx, uint16_t* dst) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K;
-  alignas(64) float t[32 * 16];  // transposed: rows m, 32 values of k
+  alignas(64) float t[32 * 16];  // rows m, 32 values of k
   for (int64_t m0 = 0; m0 < M; m0 += 16)
     for (int64_t kk = 0; kk < nk; ++kk) {
-      uint16_t* d = dst + (m0 / 16 * nk + kk) * parts * 512;
-      const int64_t k0 = kk * TILE_K;
-      if (transposed) {
-        for (int64_t h = 0; h < 2; ++h) {
-          const int64_t kb = k0 + 16 * h;
-          alignas(64) float blk[16 * 16];
-          for (int64_t r = 0; r < 16; ++r)
-            _mm512_store_ps(blk + 16 * r, kb + r < K ? _mm512_loadu_ps(X + (kb + r) * ldx + m0) : _mm512_setzero_ps());
-          transpose16(blk, 16, t + 16 * h, 32);
-        }
-        for (int64_t m = 0; m < 16; ++m)
-          put_row_parts(_mm512_load_ps(t + 32 * m), _mm512_load_ps(t + 32 * m + 16), parts, d + 32 * m);
-        continue;
+      uint16_t* d = dst + (m0 / 16 * nk + kk) * 512;
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t kb = kk * TILE_K + 16 * h;
+        alignas(64) float blk[16 * 16];
+        for (int64_t r = 0; r < 16; ++r)
+          _mm512_store_ps(blk + 16 * r, kb + r < K ? _mm512_loadu_ps(X + (kb + r) * ldx + m0) : _mm512_setzero_ps());
+        transpose16(blk, 16, t + 16 * h, 32);
       }
-      for (int64_t m = 0; m < 16; ++m) {
-        const bool in = m0 + m < M;
-        const float* x = X + (m0 + m) * ldx + k0;
-        const __m512 x0 = in ? _mm512_maskz_loadu_ps(first_n(K - k0), x) : _mm512_setzero_ps();
-        const __m512 x1 = in ? _mm512_maskz_loadu_ps(first_n(K - k0 - 16), x + 16) : _mm512_setzero_ps();
-        put_row_parts(x0, x1, parts, d + 32 * m);
-      }
+      for (int64_t m = 0; m < 16; ++m)
+        _mm512_storeu_si512(d + 32 * m, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(t + 32 * m + 16), _mm512_load_ps(t + 32 * m)));
     }
 }
 

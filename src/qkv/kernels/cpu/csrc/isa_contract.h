@@ -139,11 +139,12 @@ QKV_PROVIDES(pack_b_blocks, void (*)(const float*, int64_t, int64_t, int64_t, in
 QKV_PROVIDES(tile_a_elems, int64_t (*)(int64_t, int64_t));
 QKV_PROVIDES(tile_pack_rows, void (*)(int64_t, int64_t, const float*, int64_t, uint16_t*, float));
 QKV_PROVIDES(tile_put_p, void (*)(V16, V16, uint16_t*, int64_t, int64_t));
+QKV_PROVIDES(tile_put_pair, void (*)(const V16*, const V16*, int64_t, uint32_t*));
 QKV_PROVIDES(tile_pv, void (*)(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
                                const uint32_t*, float*, int64_t, const double*));
-QKV_PROVIDES(tile_pack_a, void (*)(int64_t, int64_t, const float*, int64_t, bool, int, uint16_t*));
-QKV_PROVIDES(tile_acc, void (*)(int64_t, int64_t, int64_t, const uint16_t*, int, const float*,
-                                int64_t, uint32_t*, double*, int64_t));
+QKV_PROVIDES(tile_pack_a, void (*)(int64_t, int64_t, const float*, int64_t, uint16_t*));
+QKV_PROVIDES(tile_acc, void (*)(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
+                                uint32_t*, double*, int64_t));
 // float32 scores: the rows' and the keys' parts, and their chains (gemm_chain's arithmetic)
 QKV_PROVIDES(tile_a3_elems, int64_t (*)(int64_t, int64_t));
 QKV_PROVIDES(tile_pack_rows3, void (*)(int64_t, int64_t, const float*, int64_t, uint16_t*, int8_t*,

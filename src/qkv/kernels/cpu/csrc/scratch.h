@@ -76,8 +76,17 @@ struct FwdBufs : StepBufs {
 
 // The backward's products of bfloat16 inputs on the tile unit
 struct BwdBf16 {
-  uint16_t* ta;  // Pᵀ, dSᵀ or dS as A tiles (tile_pack_a)
-  uint32_t* tb;  // … the other operand as B tiles (tile_acc)
+  uint32_t *pb, *dsb;  // P and dS of a step's rows as B blocks over the rows (tile_put_pair)
+  uint16_t* dsa;       // … dS as A tiles (tile_put_p)
+  // the column's Kᵀ (the scores), Vᵀ (dP) and K (dQ) as B blocks, packed once per column
+  uint32_t *kt_pairs, *vt_pairs, *k_pairs;
+  // The backward walks key columns outer: a query tile's rows of one head, packed as the
+  // products read them (RowPacks: Q's and dO's rows as A tiles and as B blocks) at the tile's
+  // first column of a chunk, in an entry of this cache (per pool slot and head of the group),
+  // and read by the others
+  uint16_t* rows;
+  int8_t* state;     // each entry's: 1 packed, 0 not yet
+  int64_t rows_cap;  // entries
 };
 
 // The backward walks key columns outer: the three-part split (tile_pack_rows3) of a query tile's
@@ -222,8 +231,11 @@ static bool bwd_alloc(BwdBufs& w, const Problem& P, int64_t rows) {
     c.take(w.dq_sum, R * Dm);
     c.take(w.tile.kb, kb_elems);
     c.take(w.f32.vb3, vb_elems);
-    c.take(w.bf16.ta, bf16 ? 2 * 512 * imax(4 * (bqa / 32), bqa / 16 * 2) : 0);
-    c.take(w.bf16.tb, bf16 ? imax(bqa / 32, 2) * (Dm / 16) * 256 : 0);
+    c.take_each(bf16 ? tile_b_elems(bqa, 4) : 0, w.bf16.pb, w.bf16.dsb);
+    c.take(w.bf16.dsa, bf16 ? tile_a_elems(bqa, BK) : 0);
+    c.take(w.bf16.kt_pairs, bf16 ? tile_b_elems(P.D, 4) : 0);
+    c.take(w.bf16.vt_pairs, bf16 ? tile_b_elems(P.Dv, 4) : 0);
+    c.take(w.bf16.k_pairs, bf16 ? tile_b_elems(BK, Dp / 16) : 0);
   });
   if (!w.base) return false;
   step_init(w, R);
@@ -231,6 +243,9 @@ static bool bwd_alloc(BwdBufs& w, const Problem& P, int64_t rows) {
   w.f32.vbad = ~0ull;
   w.f32.qc = w.f32.dc = PartsCache{nullptr, nullptr, nullptr};
   w.f32.parts_cap = 0;
+  w.bf16.rows = nullptr;
+  w.bf16.state = nullptr;
+  w.bf16.rows_cap = 0;
   w.pool = w.dkv = nullptr;
   w.pool_cap = w.dkv_cap = 0;
   w.slot_of = w.free_slots = nullptr;
@@ -268,10 +283,11 @@ static int8_t parts_of(PartsCache& c, int64_t e, int64_t elems, int64_t bq, int6
 
 // Room for an item's chunk (bwd_item): dK_j, dV_j of its columns kept between passes of heads
 // (kv_need doubles), `live` dQ tiles of `tile` doubles in the pool, their parts caches (float32
-// on the tiles: qpe and dpe elements an entry, `heads` entries a slot) and the slot lists of its
-// t_count touched query tiles. False when out of memory.
+// on the tiles: qpe and dpe elements an entry, `heads` entries a slot) or rows cache (bfloat16 on
+// the tiles: rpe elements an entry) and the slot lists of its t_count touched query tiles.
+// False when out of memory.
 static bool bwd_reserve(BwdBufs& w, int64_t kv_need, int64_t live, int64_t tile, int64_t heads,
-                        int64_t qpe, int64_t dpe, int64_t bq, int64_t t_count) {
+                        int64_t qpe, int64_t dpe, int64_t rpe, int64_t bq, int64_t t_count) {
   if (kv_need > w.dkv_cap) {
     free(w.dkv);
     w.dkv = (double*)alloc64(kv_need * 8 + 64);
@@ -289,6 +305,15 @@ static bool bwd_reserve(BwdBufs& w, int64_t kv_need, int64_t live, int64_t tile,
     const bool ok = parts_alloc(w.f32.qc, live * heads, qpe, bq) &&
                     parts_alloc(w.f32.dc, live * heads, imax(dpe, 1), bq);
     w.f32.parts_cap = ok ? live * heads : 0;
+    if (!ok) return false;
+  }
+  if (rpe && live * heads > w.bf16.rows_cap) {
+    free(w.bf16.rows);
+    free(w.bf16.state);
+    w.bf16.rows = (uint16_t*)alloc64(live * heads * rpe * 2 + 64);
+    w.bf16.state = (int8_t*)malloc((size_t)(live * heads));
+    const bool ok = w.bf16.rows && w.bf16.state;
+    w.bf16.rows_cap = ok ? live * heads : 0;
     if (!ok) return false;
   }
   if (imax(t_count, live) > w.slot_cap) {
@@ -311,6 +336,8 @@ static void bwd_free(BwdBufs& w) {
   free(w.dkv);
   parts_free(w.f32.qc);
   parts_free(w.f32.dc);
+  free(w.bf16.rows);
+  free(w.bf16.state);
   free(w.slot_of);
   free(w.free_slots);
 }

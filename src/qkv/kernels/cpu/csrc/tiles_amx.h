@@ -13,9 +13,8 @@
 // are the kernel's float copies of bfloat16 data (Q, K, V: exact in bfloat16) and, for the
 // forward's weights P (float32), P rounded to bfloat16 (a weight carries a rounding of at most
 // 2⁻⁹ of itself, the size of the output's own rounding; FlashAttention and torch's CPU kernel
-// round P the same way), and for the backward's P and dS two bfloat16 parts hi + lo with
-// hi = x truncated to bfloat16, lo = bf16(x − hi): about 16 bits of x's 24, a rounding of at
-// most 2⁻¹⁶ of x.
+// round P the same way), and the backward's P and dS rounded to bfloat16 likewise, as
+// FlashAttention's backward rounds them (their gradients hold the error-ratio rule: docs/cpu.md).
 // Subnormal inputs and results are flushed to zero by the unit (below 1.2e-38 in magnitude).
 
 static constexpr bool TILE_BF16 = true;
@@ -438,19 +437,19 @@ static void tile_chain3_f64(int64_t M, int64_t K, const uint16_t* apack, const u
 // ------------------------------------------------------------------------- the bf16 backward
 //
 // The backward's products for bfloat16 inputs: dP = dO Vᵀ (tile_gemm: dO and V hold bfloat16
-// values, one part each), dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K (tile_acc), with P and dS
-// (floats) in two parts and dO, Q, K in one.
+// values), dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS and dQ += dS K (tile_acc), with P and dS rounded to
+// bfloat16 as they are formed (backward.h, bwd_p_ds_tiles).
 
-// D[m·ldd + n] += Σ_k A[m][k] · B[k][n] for A packed by tile_pack_a (`parts` parts, K values of
-// k) and B the K rows of y (ld ldb, floats holding bfloat16 values; N a multiple of 16, at most
-// TILE_PV_N), packed here into bt (⌈K/32⌉ · N/16 · 256 elements): one float chain per element
-// over all of K (the unit's sums; per step of 32 the low part of A first), widened and added to D
-// (the float kernels' ONE_CHAIN for 16-bit inputs).
-static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, int parts,
-                     const float* y, int64_t ldb, uint32_t* bt, double* D, int64_t ldd) {
+// D[m·ldd + n] += Σ_k A[m][k] · B[k][n] for A as A tiles (tile_pack_a's layout, K values of k)
+// and B the K rows of y (ld ldb, floats holding bfloat16 values; N a multiple of 16, at most
+// TILE_PV_N), packed here into bt (⌈K/32⌉ · N/16 · 256 elements; with y null, bt holds them
+// packed already): one float chain per element over all of K (the unit's sums), widened and
+// added to D (the float kernels' ONE_CHAIN for 16-bit inputs).
+static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, const float* y,
+                     int64_t ldb, uint32_t* bt, double* D, int64_t ldd) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
   alignas(64) float cs[16 * 64];
-  pack_b_blocks(y, ldb, K, ntt, ntt, bt);
+  if (y) pack_b_blocks(y, ldb, K, ntt, ntt, bt);
   tiles_on();
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
@@ -458,11 +457,10 @@ static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, int
       const int64_t nt = ntt - t0 < 4 ? ntt - t0 : 4;
       c_tiles_zero();
       int reg = 0;
-      for (int64_t kk = 0; kk < nk; ++kk)
-        for (int p = parts - 1; p >= 0; --p) {
-          _tile_loadd(4, apack + ((m0 / 16 * nk + kk) * parts + p) * 512, 64);
-          for (int64_t t = 0; t < nt; ++t) dp_next_b(reg, t, bt + (kk * ntt + t0 + t) * 256);
-        }
+      for (int64_t kk = 0; kk < nk; ++kk) {
+        _tile_loadd(4, apack + (m0 / 16 * nk + kk) * 512, 64);
+        for (int64_t t = 0; t < nt; ++t) dp_next_b(reg, t, bt + (kk * ntt + t0 + t) * 256);
+      }
       c_tiles_store(nt, cs, 256);
       for (int64_t r = 0; r < rows; ++r) {
         double* d = D + (m0 + r) * ldd + 16 * t0;

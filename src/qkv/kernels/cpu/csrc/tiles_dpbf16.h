@@ -3,7 +3,7 @@
 // Included by isa_avx512bf16.cpp after simd_avx512.h, inside its namespace. It provides what
 // tiles_amx.h provides for bfloat16 inputs (tile_gemm, tile_pv, tile_acc over bf16_pack.h's packed
 // operands), with the same operands: Q, K, V, dO as their bfloat16 values, the forward's P
-// rounded to bfloat16, the backward's P and dS in two parts (bf16_pack.h, tiles_amx.h say why).
+// rounded to bfloat16, the backward's P and dS rounded to bfloat16 too (tiles_amx.h says why).
 // Float32 inputs run the avx512 path's arithmetic (TILE_F32 is false).
 //
 // One instruction multiplies 16 lanes of bfloat16 pairs and adds both products to 16 float
@@ -28,13 +28,11 @@ constexpr int DP_COLS = 4;
 enum class DpEnd { SET, SCALE, WIDEN };
 
 // One product's operands: A blocks (bf16_pack.h; as uint32 pairs, row r at a + 16r, step kk at
-// a + kk·a_step, part p at + p·a_part, parts taken from the last to the first per step), B
-// blocks (column block t at b + t·b_tile, step kk at + kk·b_step), nk steps; the result C (ld
-// ldc) with α, or D (ld ldd).
+// a + kk·a_step), B blocks (column block t at b + t·b_tile, step kk at + kk·b_step), nk steps;
+// the result C (ld ldc) with α, or D (ld ldd).
 struct DpArgs {
   const uint32_t* a;
-  int64_t a_step, a_part;
-  int parts;
+  int64_t a_step;
   const uint32_t* b;
   int64_t b_tile, b_step, nk;
   float* c;
@@ -56,19 +54,18 @@ static inline __attribute__((always_inline)) void dp_block(const DpArgs& g, int6
   }
   const uint32_t* arow = g.a + r0 * 16;
   const uint32_t* bcol = g.b + t0 * g.b_tile;
-  for (int64_t kk = 0; kk < g.nk; ++kk)
-    for (int part = g.parts - 1; part >= 0; --part) {
-      const uint32_t* a = arow + kk * g.a_step + part * g.a_part;
-      const uint32_t* b = bcol + kk * g.b_step;
-      for (int p = 0; p < 16; ++p) {
-        __m512bh bv[NT];
-        for (int t = 0; t < NT; ++t) bv[t] = (__m512bh)_mm512_loadu_si512(b + t * g.b_tile + p * 16);
-        for (int r = 0; r < RB; ++r) {
-          const __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[r * 16 + p]);
-          for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], bv[t], av);
-        }
+  for (int64_t kk = 0; kk < g.nk; ++kk) {
+    const uint32_t* a = arow + kk * g.a_step;
+    const uint32_t* b = bcol + kk * g.b_step;
+    for (int p = 0; p < 16; ++p) {
+      __m512bh bv[NT];
+      for (int t = 0; t < NT; ++t) bv[t] = (__m512bh)_mm512_loadu_si512(b + t * g.b_tile + p * 16);
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[r * 16 + p]);
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], bv[t], av);
       }
     }
+  }
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < NT; ++t) {
       if (END != DpEnd::WIDEN) {
@@ -123,7 +120,7 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t rows = M - m0 < 16 ? M - m0 : 16;
       const uint16_t* a = rows_blocks(A, lda, apack, m0, rows, K, ah);
-      const DpArgs g{(const uint32_t*)a, 256, 0, 1, bt, 256, 1024, nk,
+      const DpArgs g{(const uint32_t*)a, 256, bt, 256, 1024, nk,
                      C + m0 * ldc + n0, ldc, nullptr, nullptr, 0};
       dp_product<DpEnd::SET>(g, 0, rows, nt);
     }
@@ -141,23 +138,23 @@ static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ap, const f
   alignas(64) uint32_t bs[2 * (TILE_PV_N / 16) * 256];
   const uint32_t* bt = b_blocks(bpairs, B, ldb, K, ntt, ntt, bs);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const DpArgs g{(const uint32_t*)(ap + m0 / 16 * 2 * 512), 256, 0, 1, bt, 256, ntt * 256, nk,
+    const DpArgs g{(const uint32_t*)(ap + m0 / 16 * 2 * 512), 256, bt, 256, ntt * 256, nk,
                    acc + m0 * ldc, ldc, alpha + m0, nullptr, 0};
     dp_product<DpEnd::SCALE>(g, 0, M - m0 < 16 ? M - m0 : 16, ntt);
   }
 }
 
-// D[m·ldd + n] += Σ_k A[m][k] · B[k][n] for A packed by tile_pack_a (`parts` parts) and B the K
-// rows of y (ld ldb, floats holding bfloat16 values), packed here into bt: one float chain per
-// element over all of K (per step of 32 the low part of A first), widened and added to D (the
-// backward's dV, dK and dQ; tiles_amx.h's tile_acc). N a multiple of 16, at most TILE_PV_N.
-static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, int parts,
+// D[m·ldd + n] += Σ_k A[m][k] · B[k][n] for A as A tiles (tile_pack_a's layout) and B the K
+// rows of y (ld ldb, floats holding bfloat16 values), packed here into bt (with y null: bt holds
+// them packed already, pack_b_blocks's layout with N/16 blocks a step): one float chain per
+// element over all of K, widened and added to D (the backward's dVᵀ, dKᵀ and dQ; tiles_amx.h's tile_acc). N a multiple of 16, at most TILE_PV_N.
+static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
                      const float* y, int64_t ldb, uint32_t* bt, double* D, int64_t ldd) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
-  pack_b_blocks(y, ldb, K, ntt, ntt, bt);
+  if (y) pack_b_blocks(y, ldb, K, ntt, ntt, bt);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const DpArgs g{(const uint32_t*)(apack + m0 / 16 * nk * parts * 512), parts * 256, 256, parts,
-                   bt, 256, ntt * 256, nk, nullptr, 0, nullptr, D + m0 * ldd, ldd};
+    const DpArgs g{(const uint32_t*)(apack + m0 / 16 * nk * 512), 256, bt, 256, ntt * 256, nk,
+                   nullptr, 0, nullptr, D + m0 * ldd, ldd};
     dp_product<DpEnd::WIDEN>(g, 0, M - m0 < 16 ? M - m0 : 16, ntt);
   }
 }

@@ -19,10 +19,11 @@ static inline void pack_b_blocks(const float*, int64_t, int64_t, int64_t, int64_
 static inline int64_t tile_a_elems(int64_t, int64_t) { return 0; }
 static inline void tile_pack_rows(int64_t, int64_t, const float*, int64_t, uint16_t*, float) {}
 static inline void tile_put_p(V16, V16, uint16_t*, int64_t, int64_t) {}
+static inline void tile_put_pair(const V16*, const V16*, int64_t, uint32_t*) {}
 static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
                            const uint32_t*, float*, int64_t, const double*) {}
-static inline void tile_pack_a(int64_t, int64_t, const float*, int64_t, bool, int, uint16_t*) {}
-static inline void tile_acc(int64_t, int64_t, int64_t, const uint16_t*, int, const float*, int64_t,
+static inline void tile_pack_a(int64_t, int64_t, const float*, int64_t, uint16_t*) {}
+static inline void tile_acc(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
                             uint32_t*, double*, int64_t) {}
 
 #include "tiles_no_f32.h"
