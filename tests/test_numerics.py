@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qkv
-from qkv import masks, numerics
+from qkv import masks
 from qkv.kernels import BACKENDS
 from qkv.kernels.tiled.fused import FusedStrips
 from qkv.plan import make_plan
@@ -269,16 +269,3 @@ def test_causal_with_nq_not_nk_never_builds_an_nq_by_nk_mask(monkeypatch, nq, nk
     if nq <= 64:  # small enough to check against the formula
         ref = qkv.attention(q, k, v, causal=True, backend="reference")
         assert_error_ratio(out, ref, golden(q, k, v, causal=True))
-
-
-@pytest.mark.parametrize("elems", [1, 7, 64, 1 << 22])
-def test_finite_rows_is_isfinite_all_in_blocks(elems):
-    """`numerics.finite_rows` (the compiled kernel's backward asks it which query rows hold
-    NaN/inf) equals `isfinite(x).all(-1)` for any block size, on a strided view."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 37, 3, 5, generator=g).transpose(1, 2)  # (2, 3, 37, 5), not contiguous
-    x[0, 1, 4, 2] = float("nan")
-    x[1, 2, 36, 0] = float("inf")
-    x[1, 0, 0, 4] = -float("inf")
-    for t in (x, x.bfloat16(), x[..., 0, :], x[0, 0, 0]):
-        assert torch.equal(numerics.finite_rows(t, elems), torch.isfinite(t).all(-1))

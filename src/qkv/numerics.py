@@ -54,20 +54,6 @@ def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rows: int | No
     return out.view(a.shape[:-1])
 
 
-def finite_rows(x: torch.Tensor, elems: int = 1 << 22) -> torch.Tensor:
-    """Whether each row (last dim) of x is all finite, bool `x.shape[:-1]`, a block of rows of
-    about `elems` values at a time along dim −2: `torch.isfinite(x).all(-1)` at once holds
-    O(N·d) temporaries (about 2.5 GiB for a bfloat16 q of a million rows, 8 heads, d = 64)."""
-    if x.dim() < 2:
-        return torch.isfinite(x).all(-1)
-    out = torch.empty(x.shape[:-1], dtype=torch.bool, device=x.device)
-    per_row = max(1, x[..., :1, :].numel())
-    step = max(1, elems // per_row)
-    for i in range(0, x.shape[-2], step):
-        out[..., i : i + step] = torch.isfinite(x[..., i : i + step, :]).all(-1)
-    return out
-
-
 def two_float(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`(hi, lo)` in `dtype` with hi + lo = x to about twice dtype's precision (x float64;
     ±inf stays in hi, lo 0)."""

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from ...cache import lookup
-from ...numerics import finite_rows, once_differentiable
+from ...numerics import once_differentiable
 from ...pairs import OpPairs, Pairs
 from . import load
 from .tile_encoding import kernel_layout
@@ -152,25 +152,6 @@ def backward_impl(
             L.code_t, L.bits, L.q_starts, L.k_starts, L.block_q,
             scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
         )  # fmt: skip
-    return _poisoned_by_queries(q, k, out, dq, dk, dv)
-
-
-def _poisoned_by_queries(q, k, out, dq, dk, dv):
-    """The gradients the formula gives when a query row holding NaN/inf attends something:
-    its weights are all NaN (softmax of NaN scores), so its dq is NaN and, through
-    dS = P ∘ (dP − Δ), so is every dK and dV of its kv head (masked keys too: 0 · NaN). The
-    kernel's backward does not carry these NaNs (it reads non-finite values as 0, to keep
-    masked garbage out); they are put back here, decided on the device (no host read). A row
-    that attends nothing (its output 0, as the forward wrote it) keeps its zero gradients."""
-    B = q.shape[0]
-    if q.numel() == 0 or k.shape[2] == 0:
-        return dq, dk, dv
-    bad = ~finite_rows(q) & ~finite_rows(out)  # (B, H, Nq), no O(N·d) temporaries
-    heads = bad.view(B, k.shape[1], -1).any(-1).view(B, -1, 1, 1)  # (B, Hkv, 1, 1)
-    # in place: the op's own results (their blocks may be reused, cpu/memory.py)
-    dq.masked_fill_(bad.unsqueeze(-1), float("nan"))
-    dk.masked_fill_(heads, float("nan"))
-    dv.masked_fill_(heads, float("nan"))
     return dq, dk, dv
 
 

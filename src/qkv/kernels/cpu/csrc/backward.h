@@ -483,9 +483,31 @@ static bool bwd_item(const Problem& P, const BwdPlan& Bp, const BwdItem& it, Bwd
 // key column in bwd_item.
 static const double PEAKED = 0.5;
 
+// The rows of query tile i whose q and output both hold a NaN or inf (a query row of NaN or inf
+// that attends something): the formula's gradients there are NaN (its weights are NaN, so is its
+// dq and, through dS = P ∘ (dP − Δ), every dK and dV of its kv head, masked keys too: 0 · NaN).
+// The passes read non-finite values as 0 (masked garbage stays out); the op puts these NaNs back
+// after them (poison_grads, ops.cpp). A row that attends nothing (output 0) keeps zero gradients.
+static void flag_bad_rows(const Problem& P, int64_t b, int64_t hkv, int64_t i, BwdBufs& w) {
+  const int64_t r0 = tile_r0(P, i), nr = tile_nr(P, i);
+  for (int64_t g = 0; g < P.G; ++g) {
+    const int64_t h = hkv * P.G + g;
+    for (int64_t r = 0; r < nr; ++r) {
+      load_row(row_of(P.q, P.dtype, b, h, r0 + r), P.dtype, P.D, P.Dp, w.tmp);
+      bool bad = !rows_finite(w.tmp, 1, P.Dp, P.Dp);
+      if (bad) {
+        load_row(row_of(P.out, P.dtype, b, h, r0 + r), P.dtype, P.Dv, P.Dvp, w.tmp);
+        bad = !rows_finite(w.tmp, 1, P.Dvp, P.Dvp);
+      }
+      P.bad_rows[(b * P.H + h) * P.Nq + r0 + r] = bad;
+    }
+  }
+}
+
 static void delta_item(const Problem& P, int64_t b, int64_t hkv, int64_t i, BwdBufs& w) {
   const Layout& L = P.lay;
   const int64_t G = P.G, bq = L.bq, r0 = tile_r0(P, i), nr = tile_nr(P, i);
+  flag_bad_rows(P, b, hkv, i, w);
   bool peaked = false;
   for (int64_t g = 0; g < G && !peaked; ++g)
     for (int64_t r = 0; r < nr && !peaked; ++r) {

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <cstdint>
 #include <limits>
 #include <new>
@@ -666,6 +667,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   return {out, m, l, lse};
 }
 
+// The formula's NaN gradients of rows whose q and output both hold a NaN or inf (flagged by the
+// row pass: flag_bad_rows, backward.h): their dq rows, and all of dK and dV of their kv heads.
+// Rare: one look at the flags, nothing more where none is set.
+void poison_grads(const Problem& P, const at::Tensor& bad_rows, at::Tensor& dq, at::Tensor& dk,
+                  at::Tensor& dv) {
+  if (!bad_rows.any().item<bool>()) return;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  dq.masked_fill_(bad_rows.unsqueeze(-1), nan);
+  const at::Tensor heads = bad_rows.view({P.B, P.Hkv, -1}).any(-1).view({P.B, P.Hkv, 1, 1});
+  dk.masked_fill_(heads, nan);
+  dv.masked_fill_(heads, nan);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout, const std::optional<at::Tensor>& dlse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& m,
@@ -733,6 +747,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   P.delta = delta.data_ptr<double>();
   at::Tensor peaked = at::empty({P.B * P.Hkv * P.lay.nqb}, opts.dtype(at::kByte));
   P.peaked = peaked.data_ptr<uint8_t>();
+  at::Tensor bad_rows = at::empty({P.B, P.H, P.Nq}, opts.dtype(at::kBool));
+  P.bad_rows = (uint8_t*)bad_rows.data_ptr<bool>();
   InterruptScope interrupt;
   {
     int32_t error = 0;
@@ -748,6 +764,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
                [&](ItemQueue* items) { K.backward(P, S.plan, items, &error); });
   interrupt.finish();
   if (error) throw std::bad_alloc();
+  poison_grads(P, bad_rows, dq, dk, dv);
   return {dq, dk, dv};
 }
 

@@ -85,6 +85,7 @@ struct Problem {
   const float* dlse;   // (B, H, Nq) gradient of lse, or null
   double* delta;       // (B, H, Nq) the backward's Δ from its row pass, or null
   uint8_t* peaked;     // (B, Hkv, query tiles) 1: the tile holds a peaked row (delta_item)
+  uint8_t* bad_rows;   // (B, H, Nq) 1: the row's q and output both hold a NaN or inf (delta_item)
   void* dq;            // (B, H, Nq, D) contiguous, dtype
   void* dk;            // (B, Hkv, Nk, D)
   void* dv;            // (B, Hkv, Nk, Dv)
