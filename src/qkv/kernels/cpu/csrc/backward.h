@@ -196,7 +196,17 @@ QKV_STEP void bwd_flush_tiles(const Problem& P, const BwdPlan& Bp, const BwdChun
     const int64_t t = ch.t0 + Bp.t_flush[ch.t0 + ps.next_flush];
     if (Bp.t_last[t] != j) break;
     const int32_t s = w.slot_of[t - ch.t0];
-    flush_dq(P, Bp, ch.b, ch.hkv, t, ps.g0, ps.g1, w.pool + s * ch.tile, w);
+    double* acc = w.pool + s * ch.tile;
+    if (ch.rpe) {  // bfloat16 on the tiles: each head's dQ in float at the start of its doubles,
+      // widened in place from the end (double x overwrites floats 2x, 2x + 1, already read)
+      const int64_t head = P.lay.bq * P.Dp;
+      for (int64_t g = 0; g < ps.g1 - ps.g0; ++g) {
+        double* h = acc + g * head;
+        const float* f = (const float*)h;
+        for (int64_t x = head - 1; x >= 0; --x) h[x] = (double)f[x];
+      }
+    }
+    flush_dq(P, Bp, ch.b, ch.hkv, t, ps.g0, ps.g1, acc, w);
     w.free_slots[ps.n_free++] = s;
     ++ps.next_flush;
   }
@@ -233,14 +243,16 @@ QKV_STEP BwdColumn bwd_column_start(const Problem& P, const BwdChunk& ch, int64_
 QKV_STEP void bwd_store_dkv(const Problem& P, const BwdChunk& ch, const BwdColumn& col,
                             BwdBufs& w) {
   const int64_t es = elem_size(P.dtype);
-  // (bfloat16 on the tiles: dKᵀ and dVᵀ, element (d, key jj) at d·BK + jj)
-  const int64_t kd = ch.rpe ? BK : 1, kj = ch.rpe ? 1 : P.Dp, vj = ch.rpe ? 1 : P.Dvp;
+  // bfloat16 on the tiles: dKᵀ and dVᵀ in float, element (d, key jj) at d·BK + jj
+  const float *dkt = (const float*)col.dk64, *dvt = (const float*)col.dv64;
   for (int64_t jj = 0; jj < col.kw; ++jj) {
     const int64_t row = (ch.b * P.Hkv + ch.hkv) * P.Nk + col.c0 + jj;
     for (int64_t d = 0; d < P.D; ++d)
-      w.tmp[d] = (float)(col.dk64[jj * kj + d * kd] * P.mods.scale64);
+      w.tmp[d] = (float)((ch.rpe ? (double)dkt[d * BK + jj] : col.dk64[jj * P.Dp + d]) *
+                         P.mods.scale64);
     store_row((char*)P.dk + row * P.D * es, P.dtype, w.tmp, P.D);
-    for (int64_t d = 0; d < P.Dv; ++d) w.tmp[d] = (float)col.dv64[jj * vj + d * kd];
+    for (int64_t d = 0; d < P.Dv; ++d)
+      w.tmp[d] = ch.rpe ? dvt[d * BK + jj] : (float)col.dv64[jj * P.Dvp + d];
     store_row((char*)P.dv + row * P.Dv * es, P.dtype, w.tmp, P.Dv);
   }
 }
@@ -361,7 +373,9 @@ constexpr int64_t ONE_CHAIN = int64_t(1) << 40;
 // dV_j += Pᵀ dO and dK_j += dSᵀ Q; dQ (qacc: this head's in the tile's pool slot) += dS K_j:
 // exactly in double (small float32 gradients), on the tile unit (bfloat16, rp: dVᵀ_j += dOᵀ P
 // and dKᵀ_j += Qᵀ dS, transposed, from P and dS as bwd_p_ds_tiles wrote them, rounded to
-// bfloat16; keys ≥ kw: P = dS = 0) or in float chains summed in double
+// bfloat16; keys ≥ kw: P = dS = 0; all three summed in float, in the doubles' memory: a float
+// sum over the whole row of keys or queries rounds by far less than the bfloat16 gradient) or
+// in float chains summed in double
 QKV_STEP void bwd_acc_grads(const Problem& P, const BwdColumn& col, int64_t nr, double* qacc,
                             const RowPacks* rp, BwdBufs& w) {
   const int64_t acc_chain = P.dtype == DT_F32 ? ACC_CHAIN : ONE_CHAIN;
@@ -370,8 +384,8 @@ QKV_STEP void bwd_acc_grads(const Problem& P, const BwdColumn& col, int64_t nr, 
     gemm_acc_f64(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, col.dv64, Dvp);
     gemm_acc_f64(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, col.dk64, Dp);
   } else if (rp) {  // (dKᵀ and dVᵀ)
-    tile_acc(Dvp, BK, nr, rp->dta, nullptr, BK, w.bf16.pb, col.dv64, BK);
-    tile_acc(Dp, BK, nr, rp->qta, nullptr, BK, w.bf16.dsb, col.dk64, BK);
+    tile_acc(Dvp, BK, nr, rp->dta, w.bf16.pb, (float*)col.dv64, BK);
+    tile_acc(Dp, BK, nr, rp->qta, w.bf16.dsb, (float*)col.dk64, BK);
   } else {
     gemm_acc(kw, Dvp, nr, w.p, 1, BK, w.dO, Dvp, col.dv64, Dvp, w.o, acc_chain);
     gemm_acc(kw, Dp, nr, w.ds, 1, BK, w.q, Dp, col.dk64, Dp, w.o, acc_chain);
@@ -379,7 +393,7 @@ QKV_STEP void bwd_acc_grads(const Problem& P, const BwdColumn& col, int64_t nr, 
   if (P.exact_dq) {
     gemm_acc_f64(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc, Dp);
   } else if (rp) {
-    tile_acc(nr, Dp, BK, w.bf16.dsa, nullptr, Dp, w.bf16.k_pairs, qacc, Dp);
+    tile_acc(nr, Dp, BK, w.bf16.dsa, w.bf16.k_pairs, (float*)qacc, Dp);
   } else {
     gemm_acc(nr, Dp, kw, w.ds, BK, 1, w.kr, Dp, qacc, Dp, w.o, acc_chain);
   }

@@ -143,8 +143,8 @@ QKV_PROVIDES(tile_put_pair, void (*)(const V16*, const V16*, int64_t, uint32_t*)
 QKV_PROVIDES(tile_pv, void (*)(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
                                const uint32_t*, float*, int64_t, const double*));
 QKV_PROVIDES(tile_pack_a, void (*)(int64_t, int64_t, const float*, int64_t, uint16_t*));
-QKV_PROVIDES(tile_acc, void (*)(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
-                                uint32_t*, double*, int64_t));
+QKV_PROVIDES(tile_acc, void (*)(int64_t, int64_t, int64_t, const uint16_t*, const uint32_t*,
+                                float*, int64_t));
 // float32 scores: the rows' and the keys' parts, and their chains (gemm_chain's arithmetic)
 QKV_PROVIDES(tile_a3_elems, int64_t (*)(int64_t, int64_t));
 QKV_PROVIDES(tile_pack_rows3, void (*)(int64_t, int64_t, const float*, int64_t, uint16_t*, int8_t*,

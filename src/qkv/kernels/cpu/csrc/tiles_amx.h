@@ -440,38 +440,36 @@ static void tile_chain3_f64(int64_t M, int64_t K, const uint16_t* apack, const u
 // values), dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS and dQ += dS K (tile_acc), with P and dS rounded to
 // bfloat16 as they are formed (backward.h, bwd_p_ds_tiles).
 
-// D[m·ldd + n] += Σ_k A[m][k] · B[k][n] for A as A tiles (tile_pack_a's layout, K values of k)
-// and B the K rows of y (ld ldb, floats holding bfloat16 values; N a multiple of 16, at most
-// TILE_PV_N), packed here into bt (⌈K/32⌉ · N/16 · 256 elements; with y null, bt holds them
-// packed already): one float chain per element over all of K (the unit's sums), widened and
-// added to D (the float kernels' ONE_CHAIN for 16-bit inputs).
-static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, const float* y,
-                     int64_t ldb, uint32_t* bt, double* D, int64_t ldd) {
+// C[m·ldc + n] += Σ_k A[m][k] · B[k][n] for A as A tiles (tile_pack_a's layout, K values of k)
+// and B as B blocks (pack_b_blocks's layout, N/16 blocks a step; N a multiple of 16, at most
+// TILE_PV_N): the C tiles loaded from C, one float chain per element over all of K (the unit's
+// sums) from C's value, stored back (the backward's dVᵀ, dKᵀ and dQ, summed in float).
+static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, const uint32_t* bt,
+                     float* C, int64_t ldc) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
   alignas(64) float cs[16 * 64];
-  if (y) pack_b_blocks(y, ldb, K, ntt, ntt, bt);
   tiles_on();
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
     for (int64_t t0 = 0; t0 < ntt; t0 += 4) {
       const int64_t nt = ntt - t0 < 4 ? ntt - t0 : 4;
-      c_tiles_zero();
+      float* c = C + m0 * ldc + 16 * t0;
+      // 16 rows straight from and to C; a last block of fewer rows through cs (rows past M zero)
+      if (rows < 16) {
+        __builtin_memset(cs, 0, sizeof cs);
+        for (int64_t r = 0; r < rows; ++r) __builtin_memcpy(cs + r * 64, c + r * ldc, (size_t)(64 * nt));
+      }
+      float* cc = rows == 16 ? c : cs;
+      const int64_t ld = rows == 16 ? ldc * 4 : 256;
+      c_tiles_load(nt, cc, ld);
       int reg = 0;
       for (int64_t kk = 0; kk < nk; ++kk) {
         _tile_loadd(4, apack + (m0 / 16 * nk + kk) * 512, 64);
         for (int64_t t = 0; t < nt; ++t) dp_next_b(reg, t, bt + (kk * ntt + t0 + t) * 256);
       }
-      c_tiles_store(nt, cs, 256);
-      for (int64_t r = 0; r < rows; ++r) {
-        double* d = D + (m0 + r) * ldd + 16 * t0;
-        for (int64_t x = 0; x < 16 * nt; x += 16) {
-          const __m512 c = _mm512_load_ps(cs + r * 64 + x);
-          const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(c));
-          const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
-          _mm512_storeu_pd(d + x, _mm512_add_pd(_mm512_loadu_pd(d + x), lo));
-          _mm512_storeu_pd(d + x + 8, _mm512_add_pd(_mm512_loadu_pd(d + x + 8), hi));
-        }
-      }
+      c_tiles_store(nt, cc, ld);
+      if (rows < 16)
+        for (int64_t r = 0; r < rows; ++r) __builtin_memcpy(c + r * ldc, cs + r * 64, (size_t)(64 * nt));
     }
   }
   _tile_release();

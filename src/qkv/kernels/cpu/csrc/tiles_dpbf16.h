@@ -24,12 +24,12 @@ constexpr int DP_ROWS = 6;
 constexpr int DP_COLS = 4;
 
 // How a block of the product starts and ends: C = A·B (SET), C = C·α[m] + A·B (SCALE: the
-// forward's P·V), D += double(A·B) (WIDEN: the backward's sums, D in double)
-enum class DpEnd { SET, SCALE, WIDEN };
+// forward's P·V), C += A·B (ADD: the backward's sums)
+enum class DpEnd { SET, SCALE, ADD };
 
 // One product's operands: A blocks (bf16_pack.h; as uint32 pairs, row r at a + 16r, step kk at
 // a + kk·a_step), B blocks (column block t at b + t·b_tile, step kk at + kk·b_step), nk steps;
-// the result C (ld ldc) with α, or D (ld ldd).
+// the result C (ld ldc), with α for SCALE.
 struct DpArgs {
   const uint32_t* a;
   int64_t a_step;
@@ -38,8 +38,6 @@ struct DpArgs {
   float* c;
   int64_t ldc;
   const double* alpha;
-  double* d;
-  int64_t ldd;
 };
 
 // rows r0 … r0+RB−1, column blocks t0 … t0+NT−1 of the product
@@ -50,7 +48,9 @@ static inline __attribute__((always_inline)) void dp_block(const DpArgs& g, int6
     const float* c = g.c + (r0 + r) * g.ldc + 16 * t0;
     const __m512 al = _mm512_set1_ps(END == DpEnd::SCALE ? (float)g.alpha[r0 + r] : 0.0f);
     for (int t = 0; t < NT; ++t)
-      acc[r][t] = END == DpEnd::SCALE ? _mm512_mul_ps(_mm512_loadu_ps(c + 16 * t), al) : _mm512_setzero_ps();
+      acc[r][t] = END == DpEnd::SCALE ? _mm512_mul_ps(_mm512_loadu_ps(c + 16 * t), al)
+                  : END == DpEnd::ADD ? _mm512_loadu_ps(c + 16 * t)
+                                      : _mm512_setzero_ps();
   }
   const uint32_t* arow = g.a + r0 * 16;
   const uint32_t* bcol = g.b + t0 * g.b_tile;
@@ -67,18 +67,7 @@ static inline __attribute__((always_inline)) void dp_block(const DpArgs& g, int6
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < NT; ++t) {
-      if (END != DpEnd::WIDEN) {
-        _mm512_storeu_ps(g.c + (r0 + r) * g.ldc + 16 * (t0 + t), acc[r][t]);
-        continue;
-      }
-      double* d = g.d + (r0 + r) * g.ldd + 16 * (t0 + t);
-      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(acc[r][t]));
-      const __m512d hi =
-          _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][t]), 1)));
-      _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), lo));
-      _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), hi));
-    }
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(g.c + (r0 + r) * g.ldc + 16 * (t0 + t), acc[r][t]);
 }
 
 // rows r0 … r0+rows−1 (rows ≤ 16) over column blocks 0 … nt−1: DP_ROWS rows and DP_COLS column
@@ -120,8 +109,7 @@ static bool tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t l
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t rows = M - m0 < 16 ? M - m0 : 16;
       const uint16_t* a = rows_blocks(A, lda, apack, m0, rows, K, ah);
-      const DpArgs g{(const uint32_t*)a, 256, bt, 256, 1024, nk,
-                     C + m0 * ldc + n0, ldc, nullptr, nullptr, 0};
+      const DpArgs g{(const uint32_t*)a, 256, bt, 256, 1024, nk, C + m0 * ldc + n0, ldc, nullptr};
       dp_product<DpEnd::SET>(g, 0, rows, nt);
     }
   }
@@ -139,23 +127,22 @@ static void tile_pv(int64_t M, int64_t N, int64_t K, const uint16_t* ap, const f
   const uint32_t* bt = b_blocks(bpairs, B, ldb, K, ntt, ntt, bs);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const DpArgs g{(const uint32_t*)(ap + m0 / 16 * 2 * 512), 256, bt, 256, ntt * 256, nk,
-                   acc + m0 * ldc, ldc, alpha + m0, nullptr, 0};
+                   acc + m0 * ldc, ldc, alpha + m0};
     dp_product<DpEnd::SCALE>(g, 0, M - m0 < 16 ? M - m0 : 16, ntt);
   }
 }
 
-// D[m·ldd + n] += Σ_k A[m][k] · B[k][n] for A as A tiles (tile_pack_a's layout) and B the K
-// rows of y (ld ldb, floats holding bfloat16 values), packed here into bt (with y null: bt holds
-// them packed already, pack_b_blocks's layout with N/16 blocks a step): one float chain per
-// element over all of K, widened and added to D (the backward's dVᵀ, dKᵀ and dQ; tiles_amx.h's tile_acc). N a multiple of 16, at most TILE_PV_N.
-static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack,
-                     const float* y, int64_t ldb, uint32_t* bt, double* D, int64_t ldd) {
+// C[m·ldc + n] += Σ_k A[m][k] · B[k][n] for A as A tiles (tile_pack_a's layout) and B as B
+// blocks (pack_b_blocks's layout, N/16 blocks a step): one float chain per element over all of
+// K, from C's value (the backward's dVᵀ, dKᵀ and dQ, summed in float; tiles_amx.h's tile_acc).
+// N a multiple of 16, at most TILE_PV_N.
+static void tile_acc(int64_t M, int64_t N, int64_t K, const uint16_t* apack, const uint32_t* bt,
+                     float* C, int64_t ldc) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K, ntt = N / 16;
-  if (y) pack_b_blocks(y, ldb, K, ntt, ntt, bt);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const DpArgs g{(const uint32_t*)(apack + m0 / 16 * nk * 512), 256, bt, 256, ntt * 256, nk,
-                   nullptr, 0, nullptr, D + m0 * ldd, ldd};
-    dp_product<DpEnd::WIDEN>(g, 0, M - m0 < 16 ? M - m0 : 16, ntt);
+                   C + m0 * ldc, ldc, nullptr};
+    dp_product<DpEnd::ADD>(g, 0, M - m0 < 16 ? M - m0 : 16, ntt);
   }
 }
 

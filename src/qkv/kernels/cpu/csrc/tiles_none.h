@@ -23,7 +23,7 @@ static inline void tile_put_pair(const V16*, const V16*, int64_t, uint32_t*) {}
 static inline void tile_pv(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
                            const uint32_t*, float*, int64_t, const double*) {}
 static inline void tile_pack_a(int64_t, int64_t, const float*, int64_t, uint16_t*) {}
-static inline void tile_acc(int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
-                            uint32_t*, double*, int64_t) {}
+static inline void tile_acc(int64_t, int64_t, int64_t, const uint16_t*, const uint32_t*, float*,
+                            int64_t) {}
 
 #include "tiles_no_f32.h"
