@@ -156,11 +156,12 @@ def test_bfloat16_dropout_drops_what_the_reference_drops(monkeypatch, causal):
 
 def test_the_core_limits_probe_measures_and_refuses_a_bad_kind():
     """`torch.ops.qkv_cpu.peak_gflops`, the cpu suite's limits: a positive rate for the float32
-    FMAs on an x86 CPU with AVX2 or AVX-512, 0 for the dot products where the CPU lacks them,
-    and a clear error for a kind it does not know."""
+    FMAs on an x86 CPU with AVX2 or AVX-512, 0 for the dot products and the AMX tile multiply
+    where the CPU lacks them, and a clear error for a kind it does not know."""
     peak = torch.ops.qkv_cpu.peak_gflops
     if OPS.isa_supported("avx2"):
         assert peak("fma_f32", 0.02) > 0
     assert (peak("dp_bf16", 0.02) > 0) == bool(OPS.isa_supported(PATH))
-    with pytest.raises(RuntimeError, match="fma_f32 or dp_bf16"):
+    assert (peak("amx_bf16", 0.02) > 0) == bool(OPS.isa_supported("amx"))
+    with pytest.raises(RuntimeError, match="fma_f32, dp_bf16 or amx_bf16"):
         peak("fma64", 0.02)

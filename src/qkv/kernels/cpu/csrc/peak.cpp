@@ -1,8 +1,10 @@
 // The core's own limits, for the benchmarks' efficiency figures: one thread's rate of float32
 // fused multiply-adds (AVX-512, else AVX2) and of AVX512-BF16's bfloat16 dot products, each in a
 // loop over 16 independent register accumulators (no memory traffic, nothing the compiler can
-// merge), run for about `seconds`. GFLOP/s counts a multiply-add as 2 FLOP (a dot-product
-// instruction: 16 lanes × 2 pairs × 2 = 64); 0 where the CPU lacks the instructions.
+// merge), and of AMX's bfloat16 tile multiply (TDPBF16PS over four independent accumulator
+// tiles from register-resident A and B tiles), run for about `seconds`. GFLOP/s counts a
+// multiply-add as 2 FLOP (a dot-product instruction: 16 lanes × 2 pairs × 2 = 64; a tile
+// multiply: 16 × 16 × 32 × 2 = 16384); 0 where the CPU (or the OS) lacks the instructions.
 #include <torch/library.h>
 
 #include <chrono>
@@ -10,7 +12,12 @@
 #include <string>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace qkv_cpu {
 namespace {
@@ -49,12 +56,71 @@ QKV_PEAK_PROBE(dp_bf16, "avx512f,avx512bf16", __m512, _mm512_set1_ps, QKV_DP, 64
 QKV_PEAK_PROBE(fma_avx512, "avx512f", __m512, _mm512_set1_ps, QKV_FMA16, 32)
 QKV_PEAK_PROBE(fma_avx2, "avx2,fma", __m256, _mm256_set1_ps, QKV_FMA8, 16)
 
+// AMX-TILE and AMX-BF16 (CPUID leaf 7) and the OS's leave to use the tile state (Linux:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), as the kernel asks it)
+bool amx_usable() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> 24) & 1u) || !((d >> 22) & 1u)) return false;
+#if defined(__linux__)
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+  return false;
+#endif
+}
+
+// palette 1, tiles 0–7 of 16 rows × 64 bytes
+struct alignas(64) PeakTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// TDPBF16PS into C tiles 0–3 from A tiles 4, 5 and B tiles 6, 7 (every tile 16 rows × 64
+// bytes), loaded once: four independent chains, in rounds of 4096 until `seconds` pass
+__attribute__((target("amx-tile,amx-bf16"))) double amx_bf16(double seconds, float* sink) {
+  const PeakTileConfig cfg;
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t a[16 * 32], b[16 * 32];
+  alignas(64) float c[16 * 16];
+  for (int i = 0; i < 16 * 32; ++i) {
+    a[i] = 0x3f80;  // 1.0
+    b[i] = 0x3000;  // 2⁻³¹
+  }
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a, 64);
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  int64_t n = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double t = 0;
+  do {
+    for (int r = 0; r < 4096; ++r) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    n += 4 * 4096;
+    t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } while (t < seconds);
+  _tile_stored(0, c, 64);
+  _tile_release();
+  *sink = c[0];
+  return (double)n * 16384 / t / 1e9;
+}
+
 double peak_gflops(const std::string& kind, double seconds) {
-  TORCH_CHECK(kind == "fma_f32" || kind == "dp_bf16",
-              "qkv_cpu: peak_gflops takes fma_f32 or dp_bf16, got '", kind, "'");
+  TORCH_CHECK(kind == "fma_f32" || kind == "dp_bf16" || kind == "amx_bf16",
+              "qkv_cpu: peak_gflops takes fma_f32, dp_bf16 or amx_bf16, got '", kind, "'");
   float sink = 0;
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (kind == "amx_bf16") return amx_usable() ? amx_bf16(seconds, &sink) : 0.0;
   if (kind == "dp_bf16") return avx512 && __builtin_cpu_supports("avx512bf16") ? dp_bf16(seconds, 1.0f, &sink) : 0.0;
   if (avx512) return fma_avx512(seconds, 1.0f, &sink);
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return fma_avx2(seconds, 1.0f, &sink);
