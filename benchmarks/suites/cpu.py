@@ -34,11 +34,16 @@ qkv's pure-PyTorch `tiled`, every figure a ratio against an anchor measured in t
   **slowdown** = loaded / alone time within a round, the median over rounds.
 - bf16 matmul: 15 short samples of torch's bf16 matmul at the start and the end of the run
   (`machine.matmul_spread`), how steady the unit the amx path's products share was.
-- The core's own limits: at the start and the end of the run, one thread's float32 FMA rate and
-  bfloat16 dot-product rate (VDPBF16PS, where the CPU has AVX512-BF16) in a register-resident
-  loop (`torch.ops.qkv_cpu.peak_gflops`, the kernel's `peak.cpp`), 5 samples of 0.2 s each; the
-  best sample × the run's threads is the limit. The kernel's kept-tile rate in the dense,
-  causal and sliding-window forwards is given as a share of each.
+- The core's own limits: at the start and the end of the run, one thread's rate on each unit
+  the kernel multiplies on, in a register-resident loop (`torch.ops.qkv_cpu.peak_gflops`, the
+  kernel's `peak.cpp`): float32 FMA (`fma_f32`), bfloat16 dot products (`dp_bf16`, VDPBF16PS,
+  where the CPU has AVX512-BF16) and bfloat16 AMX tile products (`amx_bf16`, where the CPU has
+  AMX), 5 samples of 0.2 s each; the best sample × the run's threads is the limit (0: not on
+  this CPU). The kernel's forward, backward and forward + backward rates in the dense, causal
+  and sliding-window cases (kept tiles) are given as a share of the limit of the unit their
+  path runs on: float32 on `fma_f32`; bfloat16 on `amx_bf16` (amx path), `dp_bf16`
+  (avx512bf16 path), else `fma_f32`. The backward is not timed alone: its time is forward +
+  backward's median minus the forward's, its count 2.5× the forward's.
 - `cpu avx512bf16` = `cpu` with `QKV_CPU_ISA=avx512bf16` (bfloat16 products on the dot-product
   instruction), in the dense and pattern cases, where the CPU has that path and `auto` takes
   another: the figures the targets of that path read.
@@ -473,16 +478,27 @@ def tile_spread(_: Settings, __: Results) -> dict[str, Any]:
 
 
 PEAK_SAMPLES, PEAK_SAMPLE_S = 5, 0.2
+UNITS = {  # the kinds of `torch.ops.qkv_cpu.peak_gflops`: the units the kernel's products run on
+    "fma_f32": "float32 FMA",
+    "dp_bf16": "bfloat16 dot products, VDPBF16PS",
+    "amx_bf16": "bfloat16 AMX tiles",
+}
+
+
+def peak_sample(kind: str) -> float:
+    """One thread's register-resident rate of `kind`'s unit, GFLOP/s, in one sample (0.0: not on
+    this CPU, or a kernel built before it knew `kind`)."""
+    try:
+        return float(torch.ops.qkv_cpu.peak_gflops(kind, PEAK_SAMPLE_S))
+    except RuntimeError:  # "peak_gflops takes …": an older kernel, the suite still runs
+        return 0.0
 
 
 def core_peaks(_: Settings, __: Results) -> dict[str, Any]:
-    """One thread's register-resident float32 FMA and bfloat16 dot-product rates, GFLOP/s."""
-    peak = torch.ops.qkv_cpu.peak_gflops
+    """The samples of every unit's one-thread rate, GFLOP/s, and the run's threads."""
     return {
         "threads": torch.get_num_threads(),
-        **{
-            k: [peak(k, PEAK_SAMPLE_S) for _ in range(PEAK_SAMPLES)] for k in ("fma_f32", "dp_bf16")
-        },
+        **{k: [peak_sample(k) for _ in range(PEAK_SAMPLES)] for k in UNITS},
     }
 
 
@@ -752,39 +768,100 @@ def spread_block(r: Results) -> list[str]:
     return [*lines, ""]
 
 
-def peak_limits(r: Results) -> dict[str, float] | None:
-    """The run's limits, GFLOP/s: the best one-thread sample of each probe × the run's threads."""
+def peak_limits(r: Results) -> dict[str, float | None] | None:
+    """The run's limits by unit, GFLOP/s: the best one-thread sample of each probe × the run's
+    threads (0: not on this CPU; None: the run did not sample it)."""
     runs = [run for run in (r.stages.get("peaks start"), r.stages.get("peaks end")) if run]
     if not runs:
         return None
     threads = runs[0]["threads"]
-    return {k: threads * max(x for run in runs for x in run[k]) for k in ("fma_f32", "dp_bf16")}
+    samples = {k: [x for run in runs for x in run.get(k, ())] for k in UNITS}
+    return {k: threads * max(xs) if xs else None for k, xs in samples.items()}
+
+
+BWD = "bwd"  # not timed alone: forward + backward minus forward
+BWD_FLOPS = 2.5  # FlashAttention's count: the backward is 2.5× the forward
+PATHS = ("amx", DP_PATH, "avx512", "avx2", "portable")
+BF16_UNITS = {"amx": "amx_bf16", DP_PATH: "dp_bf16"}  # the other paths widen to float32 FMAs
+
+
+def cpu_path(r: Results) -> str | None:
+    """The path `cpu` ran in this run (the run's facts), None where unknown."""
+    path = (r.facts.get("software") or {}).get("qkv CPU kernel path")
+    return path if path in PATHS else None
+
+
+def unit_of(row: rp.Row) -> str | None:
+    """The unit the row's products run on, a kind of `UNITS`: float32 on the FMAs; bfloat16 on
+    the tiles (amx path), the dot-product instruction (avx512bf16), else widened to FMAs."""
+    if row.case.dtype == "fp32":
+        return "fma_f32"
+    path = DP_PATH if row.impl == DP_IMPL else cpu_path(row.results)
+    return None if path is None else BF16_UNITS.get(path, "fma_f32")
+
+
+def pass_rates(row: rp.Row, kind: str) -> dict[str, float | None]:
+    """GFLOP/s of the forward, the backward and forward + backward. The backward's time is the
+    forward + backward median minus the forward's, its count `BWD_FLOPS` × the forward's."""
+    fwd, t_fwd, t_both = row.rate(FWD, kind), row.median(FWD), row.median(FWD_BWD)
+    bwd = None
+    if fwd and t_fwd and t_both and t_both > t_fwd:
+        bwd = BWD_FLOPS * fwd * t_fwd / (t_both - t_fwd)
+    return {FWD: fwd, BWD: bwd, FWD_BWD: row.rate(FWD_BWD, kind)}
 
 
 def limit_rows(r: Results) -> list[tuple[str, rp.Row, str]]:
-    """(label, row, rate kind) of the forwards whose rate the limits block reads."""
+    """(label, row, rate kind) of the rows the limits block reads: dense and causal (N =
+    dense_n), the sliding window (its kept tiles), for `cpu` and the dot-product path."""
     s = r.settings
     rows = []
     for impl in ("cpu", DP_IMPL):
         for dt in DTYPES:
             for p in ("dense", "causal"):
+                case = Dense(p, dt, s["dense_n"])
                 rows.append(
-                    (
-                        f"{p} {dt}, N={s['dense_n']}",
-                        rp.Row(r, "dense", Dense(p, dt, s["dense_n"]), impl),
-                        "gflops",
-                    )
+                    (f"{p} {dt}, N={s['dense_n']}", rp.Row(r, "dense", case, impl), "gflops")
                 )
             if ["sliding", dt] in [list(x) for x in s["patterns"]]:
                 case = Pattern("sliding", s["sparse_n"], dt)
-                rows.append(
-                    (
-                        f"sliding window {dt}, N={s['sparse_n']}",
-                        rp.Row(r, "patterns", case, impl),
-                        "kept",
-                    )
-                )
+                label = f"sliding window {dt}, N={s['sparse_n']}"
+                rows.append((label, rp.Row(r, "patterns", case, impl), "kept"))
     return [row for row in rows if row[1].timing(FWD) is not None]
+
+
+def share_cell(rate: float | None, limit: float | None) -> str:
+    """`GFLOP/s (% of the limit)`; "—" without a rate, `(—)` without a limit."""
+    if rate is None:
+        return "—"
+    return f"{rate:.0f} ({100 * rate / limit:.0f}%)" if limit else f"{rate:.0f} (—)"
+
+
+def limit_text(limit: float | None) -> str:
+    """A limit as the block names it: GFLOP/s, "not on this CPU" (0) or not sampled (None)."""
+    if limit is None:
+        return "not sampled in this run"
+    return f"**{limit:.0f} GFLOP/s**" if limit else "not on this CPU"
+
+
+def limits_intro(limits: dict[str, float | None], threads: int, path: str | None) -> list[str]:
+    """The paragraphs before the table: the limits measured, and how the rates are read."""
+    shown = ", ".join(f"`{k}` ({what}) {limit_text(limits[k])}" for k, what in UNITS.items())
+    ran = f"`cpu` ran the {path} path." if path else "The path `cpu` ran is not recorded."
+    return [
+        f"Limits of this run ({threads} threads, the best of the one-thread samples at the start "
+        f"and the end × {threads}): {shown}. {ran}",
+        "",
+        "Each rate is a share of the limit of the unit its path multiplies on: float32 against "
+        "`fma_f32`; bfloat16 against `amx_bf16` on the amx path, `dp_bf16` on the avx512bf16 "
+        f"path (`{DP_IMPL}`, or `cpu` where it runs that path), `fma_f32` on the others (they "
+        "widen bfloat16 to float32). On the amx path the float32 scores run on the tiles too "
+        "(three bfloat16 parts), so a float32 share there is not of the only unit at work. FLOPs "
+        "by FlashAttention's count (dense and causal: `4·B·H·N²·D`, halved for causal; the "
+        f"sliding window: its kept 64×64 tiles), the backward {BWD_FLOPS}× the forward, forward "
+        f"+ backward {1 + BWD_FLOPS}×. The backward is not timed alone: its time is the row's "
+        "forward + backward median minus its forward median.",
+        "",
+    ]
 
 
 def limits_block(r: Results) -> list[str]:
@@ -793,27 +870,18 @@ def limits_block(r: Results) -> list[str]:
     if not limits:
         return [*lines, "Not run (dry run)." if r.dry_run else "Not run.", ""]
     threads = (r.stages.get("peaks start") or r.stages.get("peaks end"))["threads"]
-    dp = limits["dp_bf16"]
     lines += [
-        f"Limits of this run ({threads} threads, the best of the one-thread samples at the start "
-        f"and the end × {threads}): float32 FMA **{limits['fma_f32']:.0f} GFLOP/s**, bfloat16 "
-        + (f"dot products **{dp:.0f} GFLOP/s**." if dp else "dot products: not on this CPU.")
-        + " Forward rates on the kept tiles (dense: FlashAttention's count).",
-        "",
-        "| forward | impl | GFLOP/s | % of fp32 FMA | % of bf16 dot products |",
-        "|:---|:---|---:|---:|---:|",
+        *limits_intro(limits, threads, cpu_path(r)),
+        "| case | impl | unit | fwd GFLOP/s (% of the unit's limit) | bwd GFLOP/s (%) "
+        "| fwd+bwd GFLOP/s (%) |",
+        "|:---|:---|:---|---:|---:|---:|",
     ]
     for label, row, kind in limit_rows(r):
-        rate = row.rate(FWD, kind)
-        shares = [
-            f"{100 * rate / lim:.0f}%"
-            if rate and lim and (k == "fma_f32" or "bf16" in label)
-            else "—"
-            for k, lim in limits.items()
-        ]
-        lines.append(
-            f"| {label} | {row.impl} | {rp.fmt(rate, '.0f')} | {shares[0]} | {shares[1]} |"
-        )
+        unit = unit_of(row)
+        limit = limits[unit] if unit else None
+        rates = pass_rates(row, kind)
+        cells = " | ".join(share_cell(rates[p], limit) for p in (FWD, BWD, FWD_BWD))
+        lines.append(f"| {label} | {row.impl} | {f'`{unit}`' if unit else '—'} | {cells} |")
     return [*lines, ""]
 
 

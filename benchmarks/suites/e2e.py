@@ -28,7 +28,9 @@ a nanoGPT training step and `torch.compile`.
   (the outputs check below confirms that the window changes the logits); `qkv` gets
   `qkv.masks.sliding_window(w − 1, 0)`, `sdpa` transformers' dense N×N bool mask.
 - **Training step** = `zero_grad(set_to_none=True)`, `model(ids, labels=ids,
-  use_cache=False).loss`, `.backward()`, in train mode (no dropout: the config has none).
+  use_cache=False).loss`, `.backward()`, in train mode (no dropout: the config has none). A
+  bf16 row casts the same weights to bf16 (no autocast: activations, attention and gradients in
+  bf16; transformers computes the loss from the logits cast to fp32).
 - **nanoGPT:** Karpathy's nanoGPT block (LayerNorm, one `c_attn` projection split into q, k, v,
   GELU MLP 4×, learned positions, tied LM head) with d_model 768, 12 heads (head dim 64), 4
   layers, vocabulary 4096, in this file; its attention is `qkv.attention(q, k, v, causal=True)`
@@ -113,7 +115,7 @@ class Settings:
     decode: tuple[int, ...]  # prompt lengths (each with a dynamic and a static cache)
     new_tokens: int
     sliding: tuple[int, int]  # (N, window)
-    train: tuple[int, ...]
+    train: tuple[tuple[int, str], ...]  # (N, dtype)
     nanogpt: tuple[int, ...]
     compiled: tuple[int, ...]
     eager_max: int  # eager's forward runs up to this N (prefill, window)
@@ -132,7 +134,7 @@ FULL = Settings(
     decode=(4096, 16384),
     new_tokens=64,
     sliding=(16384, 1024),
-    train=(2048, 8192),
+    train=((2048, "fp32"), (8192, "fp32"), (8192, "bf16")),
     nanogpt=(1024, 4096),
     compiled=(1024, 4096),
     eager_max=4096,
@@ -150,7 +152,7 @@ QUICK = Settings(
     decode=(256, 512),
     new_tokens=4,
     sliding=(512, 128),
-    train=(128, 256),
+    train=((128, "fp32"), (256, "fp32"), (256, "bf16")),
     nanogpt=(128, 256),
     compiled=(128,),
     eager_max=512,
@@ -183,8 +185,20 @@ class Sliding:
 
 
 @dataclasses.dataclass(frozen=True)
-class Step:  # a training step (the transformers model, nanoGPT) or a compiled prefill
+class Step:  # a nanoGPT training step or a compiled prefill
     n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:  # a training step of the transformers model
+    n: int
+    dtype: str
+
+
+def dtype_of(case: Any) -> str:
+    """A case's dtype; fp32 for a case without one (a training step recorded as a `Step`, before
+    the training steps had a dtype)."""
+    return getattr(case, "dtype", "fp32")
 
 
 def repeats(s: Settings, n: int) -> int:
@@ -486,8 +500,8 @@ def same_tokens(c: Decode, outs: dict[str, torch.Tensor]) -> dict[str, dict[str,
 
 
 def train_impl(name: str, **kwargs: Any) -> Impl:
-    def make(c: Step):
-        m = hf_model("dense", SETTINGS.layers, name).train()
+    def make(c: Train):
+        m = hf_model("dense", SETTINGS.layers, name, c.dtype).train()
 
         def run(ids: torch.Tensor) -> torch.Tensor:
             m.zero_grad(set_to_none=True)
@@ -623,7 +637,7 @@ DECODE = Group(
 )
 TRAIN = Group(
     name="train",
-    cases=lambda s: [Step(n) for n in s.train],
+    cases=lambda s: [Train(n, dt) for n, dt in s.train],
     inputs=step_inputs,
     impls=(
         train_impl("qkv"),
@@ -972,6 +986,19 @@ def target(group: str, index: int, text: str, threshold: float, label: Callable)
     )
 
 
+def train_threshold(n: int, dtype: str) -> float:
+    """×SDPA a training step promises: bf16 1.3; fp32 1.1 at its largest N, else 1.0."""
+    if dtype == "bf16":
+        return 1.3
+    return 1.1 if n == max(m for m, dt in FULL.train if dt == "fp32") else 1.0
+
+
+def train_label(case: Any) -> str:
+    """`N=8192` for fp32 (the names the fp32 rows always had), `bf16 N=8192` otherwise."""
+    dtype = dtype_of(case)
+    return f"N={case.n}" if dtype == "fp32" else f"{dtype} N={case.n}"
+
+
 TARGETS = (
     *(
         target(
@@ -995,14 +1022,8 @@ TARGETS = (
     ),
     target("sliding", 0, "sliding window {case} prefill", 2.0, lambda c: f"w={c.window}, N={c.n}"),
     *(
-        target(
-            "train",
-            i,
-            "training step {case}",
-            1.1 if n == max(FULL.train) else 1.0,
-            lambda c: f"N={c.n}",
-        )
-        for i, n in enumerate(FULL.train)
+        target("train", i, "training step {case}", train_threshold(n, dt), train_label)
+        for i, (n, dt) in enumerate(FULL.train)
     ),
     *(
         target("nanogpt", i, "nanoGPT training step {case}", 1.0, lambda c: f"N={c.n}")
@@ -1078,7 +1099,7 @@ SUITE = Suite(
             "train",
             "Training step (forward + backward of the LM loss)",
             FWD_BWD,
-            (rp.field("n", "N"),),
+            (rp.field("n", "N"), rp.Column("dtype", lambda r: dtype_of(r.case), "l")),
         ),
         timed_table("nanogpt", "nanoGPT training step", FWD_BWD, (rp.field("n", "N"),)),
         COMPILED_TABLE,

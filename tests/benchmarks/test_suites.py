@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 import pytest
-from benchmarks.report import MemoryRow, Row, read_sections
+import torch
+from benchmarks.report import MemoryRow, Row, Table, read_sections
 from benchmarks.results import CaseRecord, MemoryResult, Results, Timing, type_path
 from benchmarks.run import load_suite, main, suite_names
 from benchmarks.suite import FWD, FWD_BWD, Group
+from benchmarks.suites import _attention as A
 from benchmarks.suites import cpu, decode, distributed, e2e, sparse
 
 SUITES = (
@@ -222,6 +225,101 @@ def test_cpu_bf16_spread_samples_and_its_table():
     assert "| end | — | — | — | — |" in lines  # a run cut short before its last stage
 
 
+def limits_results() -> Results:
+    """A cpu run at the quick sizes on the amx path: dense fp32 and bf16 `cpu` rows with both
+    passes, a forward-only row of the dot-product path, the sliding window's kept tiles, and
+    the limits 240 (FMA), 100 (dot products) and 1000 (tiles) GFLOP/s over 2 threads."""
+    res = Results(suite="cpu", mode="quick", command="", machine={})
+    res.settings = dict(vars(cpu.QUICK))
+    res.facts = {"software": {"qkv CPU kernel path": "amx"}}
+    res.stages["peaks start"] = {"threads": 2, "fma_f32": [100.0, 120.0], "dp_bf16": [50.0],
+                                 "amx_bf16": [500.0]}  # fmt: skip
+    res.stages["peaks end"] = {"threads": 2, "fma_f32": [110.0], "dp_bf16": [40.0],
+                               "amx_bf16": [450.0]}  # fmt: skip
+
+    def timed(group: str, case, impl: str, count: float, fwd: float, bwd: float | None) -> None:
+        """`impl` at `case` timed at `fwd` GFLOP/s forward and `bwd` backward (`count` FLOPs
+        forward; None: no forward + backward timing)."""
+        t_fwd = count / 1e9 / fwd
+        res.timings.append(Timing(group, dict(vars(case)), impl, FWD, times_s=[t_fwd]))
+        if bwd is not None:
+            t_both = t_fwd + 2.5 * count / 1e9 / bwd
+            res.timings.append(Timing(group, dict(vars(case)), impl, FWD_BWD, times_s=[t_both]))
+
+    n = cpu.QUICK.dense_n
+    fp32, bf16 = cpu.Dense("dense", "fp32", n), cpu.Dense("dense", "bf16", n)
+    window = cpu.Pattern("sliding", cpu.QUICK.sparse_n, "fp32")
+    for case in (fp32, bf16):
+        res.cases.append(CaseRecord("dense", type_path(case), dict(vars(case))))
+    extras = {"density": 0.25, "kept_tiles": 300, "total_tiles": 1024}
+    res.cases.append(CaseRecord("patterns", type_path(window), dict(vars(window)), extras=extras))
+    flops = A.flops(n, FWD)
+    timed("dense", fp32, "cpu", flops, 120.0, 60.0)
+    timed("dense", bf16, "cpu", flops, 500.0, 250.0)
+    timed("dense", bf16, cpu.DP_IMPL, flops, 80.0, None)
+    timed("patterns", window, "cpu", A.flops(1, FWD) * 64 * 64 * 300, 180.0, 120.0)
+    res.derive(cpu.DENSE)
+    res.derive(cpu.PATTERN_GROUP)
+    return res
+
+
+def limit_row(res: Results, case: str, impl: str = "cpu") -> str:
+    """The limits block's row of `case` and `impl`."""
+    return next(line for line in cpu.limits_block(res) if line.startswith(f"| {case} | {impl} |"))
+
+
+def test_cpu_limits_block_shares_each_pass_of_its_units_limit():
+    res = limits_results()
+    assert cpu.peak_limits(res) == {"fma_f32": 240.0, "dp_bf16": 100.0, "amx_bf16": 1000.0}
+    lines = cpu.limits_block(res)
+    text = "\n".join(lines)
+    assert "`fma_f32` (float32 FMA) **240 GFLOP/s**" in text and "`cpu` ran the amx path." in text
+    assert "forward + backward median minus its forward median" in text
+    assert len([line for line in lines if line.startswith("| ") and "N=" in line]) == 4
+    # the backward's rate from the difference of the medians; forward + backward
+    # 3.5 / (1/120 + 2.5/60) = 70 GFLOP/s, 29% of 240
+    assert "| dense fp32, N=512 | cpu | `fma_f32` | 120 (50%) | 60 (25%) | 70 (29%) |" in lines
+    assert "| dense bf16, N=512 | cpu | `amx_bf16` | 500 (50%) | 250 (25%) | 292 (29%) |" in lines
+    assert "| dense bf16, N=512 | cpu avx512bf16 | `dp_bf16` | 80 (80%) | — | — |" in lines
+    assert limit_row(res, "sliding window fp32, N=2048").endswith(
+        "| 180 (75%) | 120 (50%) | 133 (55%) |"
+    )
+    res.facts["software"]["qkv CPU kernel path"] = "avx512bf16"
+    assert "| `dp_bf16` | 500 (500%) |" in limit_row(res, "dense bf16, N=512")
+    res.facts["software"]["qkv CPU kernel path"] = "avx512"  # bfloat16 widened to float32
+    assert "| `fma_f32` | 500 (208%) |" in limit_row(res, "dense bf16, N=512")
+    res.facts = {}  # the path unknown: no unit for bfloat16, float32 still on the FMAs
+    assert "| — | 500 (—) | 250 (—) |" in limit_row(res, "dense bf16, N=512")
+    assert "| `fma_f32` | 120 (50%) |" in limit_row(res, "dense fp32, N=512")
+
+
+def test_cpu_limits_name_a_missing_unit_and_an_older_run():
+    res = limits_results()
+    res.stages["peaks start"]["amx_bf16"] = [0.0]
+    del res.stages["peaks end"]
+    del res.stages["peaks start"]["dp_bf16"]  # a run from before the probe
+    assert cpu.peak_limits(res) == {"fma_f32": 240.0, "dp_bf16": None, "amx_bf16": 0.0}
+    text = "\n".join(cpu.limits_block(res))
+    assert "`amx_bf16` (bfloat16 AMX tiles) not on this CPU" in text
+    assert "`dp_bf16` (bfloat16 dot products, VDPBF16PS) not sampled in this run" in text
+    assert "| dense bf16, N=512 | cpu | `amx_bf16` | 500 (—) | 250 (—) | 292 (—) |" in text
+    del res.stages["peaks start"]
+    assert cpu.limits_block(res)[-2] == "Not run."
+
+
+def test_cpu_core_peaks_tolerate_a_kernel_without_a_probe(monkeypatch):
+    def peak(kind: str, seconds: float) -> float:
+        if kind == "amx_bf16":
+            raise RuntimeError("qkv_cpu: peak_gflops takes fma_f32 or dp_bf16, got 'amx_bf16'")
+        return 10.0
+
+    monkeypatch.setattr(torch.ops, "qkv_cpu", types.SimpleNamespace(peak_gflops=peak))
+    got = cpu.core_peaks(cpu.QUICK, Results(suite="cpu", mode="quick", command="", machine={}))
+    assert got["threads"] == torch.get_num_threads()
+    assert got["fma_f32"] == got["dp_bf16"] == [10.0] * cpu.PEAK_SAMPLES
+    assert got["amx_bf16"] == [0.0] * cpu.PEAK_SAMPLES
+
+
 def e2e_results(group: str, cases: list, timed, times: dict, attention: dict) -> Results:
     """Results of e2e's `group`: `cases` recorded in order, one of them `timed` (seconds per
     round by implementation) with its attention seconds per call in the group's stage."""
@@ -290,6 +388,42 @@ def test_e2e_prefill_share_and_targets_name_the_runs_cases():
     # a case the run does not have is named as in the full run
     assert targets[-1]["name"] == "compiled prefill N=4096: `qkv` ×SDPA"
     assert targets[-1]["passed"] is None
+
+
+def train_table() -> Table:
+    return next(t for t in e2e.SUITE.report if getattr(t, "title", "").startswith("Training"))
+
+
+def test_e2e_bf16_training_step_has_its_row_and_target():
+    cases = [e2e.Train(n, dt) for n, dt in e2e.QUICK.train]
+    assert cases[-1] == e2e.Train(256, "bf16")
+    res = e2e_results(
+        "train",
+        cases,
+        cases[-1],
+        {"qkv": [1.0, 1.0], "sdpa": [1.4, 1.3]},
+        {"qkv": [9.0, 0.2, 0.2], "sdpa": [9.0, 0.5, 0.5]},  # a warm-up call first
+    )
+    shown = {t["name"]: t for t in (target.evaluate(res) for target in e2e.SUITE.targets)}
+    bf16 = shown["training step bf16 N=256: `qkv` ×SDPA"]
+    assert bf16["threshold"] == "≥ 1.3×" and bf16["measured"] == pytest.approx(1.35)
+    assert bf16["passed"] is True
+    assert (
+        shown["training step N=256: `qkv` ×SDPA"]["threshold"] == "≥ 1.1×"
+    )  # fp32, named as before
+    assert "| 256 | bf16 | qkv | 1000.0 | 1.35 | 1.30 – 1.40 | 256 | 20% | 2.50 |" in "\n".join(
+        train_table().render(res)
+    )
+
+
+def test_e2e_training_steps_recorded_without_a_dtype_read_as_fp32():
+    """A run from before the bf16 row recorded its training steps as `Step(n)`."""
+    cases = [e2e.Step(2048), e2e.Step(8192)]
+    res = e2e_results("train", cases, cases[1], {"qkv": [2.0], "sdpa": [2.2]}, {})
+    assert "| 8192 | fp32 | qkv | 2000.0 | 1.10 |" in "\n".join(train_table().render(res))
+    shown = {t["name"]: t for t in (target.evaluate(res) for target in e2e.SUITE.targets)}
+    assert shown["training step N=8192: `qkv` ×SDPA"]["passed"] is True
+    assert shown["training step bf16 N=8192: `qkv` ×SDPA"]["passed"] is None
 
 
 def test_e2e_attention_timer_counts_forward_and_backward():
