@@ -1133,7 +1133,103 @@ TARGETS = (
     ),
 )
 
-TARGETS = (*TARGETS, *DP_TARGETS)
+
+def on_paths(paths: tuple[str, ...], get: Callable[[Results], float | None]):
+    """`get`, read only where `cpu` ran one of `paths` (the targets of one kind of CPU); None
+    (not measured) elsewhere."""
+    return lambda r: get(r) if cpu_path(r) in paths else None
+
+
+def unit_share(case: Callable[[Results], tuple[rp.Row, str]], pass_: str):
+    """The row's `pass_` rate as a share of the limit of the unit its path runs on (the limits
+    block's figure); `case` gives the row and its rate kind."""
+
+    def get(r: Results) -> float | None:
+        row, kind = case(r)
+        limits, unit = peak_limits(r), unit_of(row)
+        limit = limits.get(unit) if limits and unit else None
+        rate = pass_rates(row, kind)[pass_]
+        return rate / limit if rate and limit else None
+
+    return get
+
+
+def dense_case(pattern: str, dtype: str, impl: Callable[[Results], str] = lambda r: "cpu"):
+    return lambda r: (
+        rp.Row(r, "dense", Dense(pattern, dtype, r.settings["dense_n"]), impl(r)),
+        "gflops",
+    )
+
+
+def window_case(dtype: str, impl: Callable[[Results], str] = lambda r: "cpu"):
+    return lambda r: (
+        rp.Row(r, "patterns", Pattern("sliding", r.settings["sparse_n"], dtype), impl(r)),
+        "kept",
+    )
+
+
+NO_AMX = ("avx512bf16", "avx512", "avx2", "portable")
+RATE_TARGETS = (  # issue 50: the kernel at the hardware's rate
+    *(
+        SizedTarget(
+            f"avx512bf16 path: {p} bf16, N={{dense_n}}, fwd+bwd rate as % of the bf16 "
+            "dot-product limit",
+            unit_share(dense_case(p, "bf16", dp_impl_of), FWD_BWD),
+            0.60,
+            unit="%",
+        )
+        for p in ("dense", "causal")
+    ),
+    *(
+        SizedTarget(
+            f"without AMX: {p} fp32, N={{dense_n}}, fwd+bwd: `cpu` ×SDPA",
+            on_paths(NO_AMX, dense_ratio(p, "fp32", FWD_BWD)),
+            1.25,
+        )
+        for p in ("dense", "causal")
+    ),
+    SizedTarget(
+        "without AMX: dense fp32, N={dense_n}, fwd rate as % of the FMA limit",
+        on_paths(NO_AMX, unit_share(dense_case("dense", "fp32"), FWD)),
+        0.80,
+        unit="%",
+    ),
+    *(
+        SizedTarget(
+            f"amx path: {p} bf16, N={{dense_n}}, {pass_}: `cpu` ×SDPA",
+            on_paths(("amx",), dense_ratio(p, "bf16", pass_)),
+            least,
+        )
+        for pass_, least in ((FWD, 2.0), (FWD_BWD, 1.6))
+        for p in ("dense", "causal")
+    ),
+    SizedTarget(
+        "amx path: dense bf16, N={dense_n}, fwd rate as % of the AMX tile limit",
+        on_paths(("amx",), unit_share(dense_case("dense", "bf16"), FWD)),
+        0.40,
+        unit="%",
+    ),
+    *(
+        SizedTarget(
+            f"amx path: {p} fp32, N={{dense_n}}, fwd+bwd: `cpu` ×SDPA",
+            on_paths(("amx",), dense_ratio(p, "fp32", FWD_BWD)),
+            1.1,
+        )
+        for p in ("dense", "causal")
+    ),
+    *(
+        SizedTarget(
+            f"sliding window {dt}, N={{sparse_n}}, fwd+bwd: kept-tile rate as % of its unit's "
+            "limit",
+            unit_share(window_case(dt), FWD_BWD),
+            0.60,
+            unit="%",
+        )
+        for dt in DTYPES
+    ),
+)
+
+TARGETS = (*TARGETS, *DP_TARGETS, *RATE_TARGETS)
 
 MEMORY = Memory(probes, address_limit=20 * 2**30)
 
