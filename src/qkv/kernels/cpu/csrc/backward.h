@@ -367,7 +367,8 @@ QKV_STEP void bwd_p_ds_tiles(const Problem& P, const BwdColumn& col, int64_t cod
 // The backward's float chains for dQ, dK and dV: ACC_CHAIN terms for float32 inputs (docs/cpu.md,
 // Accuracy: one float sum over a tile's rows broke the rule); for 16-bit inputs, whose gradients
 // round to 16 bits, one chain per tile (≤ 256 terms, a float rounding of ≤ 256·2⁻²⁴ against
-// bf16's 2⁻⁹), summed in double across tiles, as their scores and P·V are plain float sums.
+// bf16's 2⁻⁹), summed in double across tiles, as their scores and P·V are plain float sums
+// (bfloat16 on the tile paths sums in float throughout: bwd_acc_grads).
 constexpr int64_t ONE_CHAIN = int64_t(1) << 40;
 
 // dV_j += Pᵀ dO and dK_j += dSᵀ Q; dQ (qacc: this head's in the tile's pool slot) += dS K_j:

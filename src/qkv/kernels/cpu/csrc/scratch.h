@@ -111,11 +111,12 @@ struct BwdF32 {
 struct BwdBufs : StepBufs {
   float *vt, *ds, *dfac, *dO;  // Vᵀ; dS and dt/dx (softcap) of the rows; dO's rows (ld Dvp)
   double *delta, *inv_l;        // per row: Δ, 1/l
-  double *dk64, *dv64;          // dK_j, dV_j of the column (a pass of all the group's heads)
+  double *dk64, *dv64;          // dK_j, dV_j of the column (a pass of all the group's heads;
+                                // bfloat16 on the tiles: dKᵀ_j, dVᵀ_j in float, in their memory)
   double *vt64, *dO64, *dp64;   // Vᵀ, dO and dP in double (dP's sums are exact)
   double* dq_sum;               // a query tile's dQ partials summed (flush_dq)
   double *sum_p, *sum_pdp;      // the row pass: Σ_j P_ij and Σ_j P_ij dP̃_ij per row
-  double* pool;                 // live dQ tiles
+  double* pool;                 // live dQ tiles (bfloat16 on the tiles: in float until flushed)
   int64_t pool_cap;
   double* dkv;  // passes of a few heads: dK_j and dV_j of each column of the chunk
   int64_t dkv_cap;
