@@ -77,16 +77,22 @@ def _mod_grid(plan: AttentionPlan, device: torch.device) -> tuple[torch.Tensor, 
     return b, h, pos, torch.arange(plan.kv_len, device=device)
 
 
+def _grouped(
+    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in the compute dtype, grouped heads as a broadcast, never a copy (query head h
+    reads kv head h // G): (B, Hkv, G, Nq, D), (B, Hkv, 1, Nk, D), (B, Hkv, 1, Nk, Dv)."""
+    cdt = plan.compute_dtype
+    q5 = q.to(cdt).reshape(plan.batch, plan.kv_heads, plan.groups, plan.q_len, plan.head_dim)
+    return q5, k.to(cdt).unsqueeze(2), v.to(cdt).unsqueeze(2)
+
+
 def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Steps:
     """The formula on canonical 4-D tensors; returns 4-D `Steps`. Differentiable by autograd."""
     check_fits(plan, q.device)
-    B, H, Hkv, G = plan.batch, plan.heads, plan.kv_heads, plan.groups
-    Nq, Nk = plan.q_len, plan.kv_len
+    B, H, Nq, Nk = plan.batch, plan.heads, plan.q_len, plan.kv_len
     cdt = plan.compute_dtype
-    # Grouped heads as a broadcast, never a copy: query head h reads kv head h // G.
-    q5 = q.to(cdt).reshape(B, Hkv, G, Nq, plan.head_dim)  # (B, Hkv, G, Nq, D)
-    k5 = k.to(cdt).unsqueeze(2)  # (B, Hkv, 1, Nk, D)
-    v5 = v.to(cdt).unsqueeze(2)  # (B, Hkv, 1, Nk, Dv)
+    q5, k5, v5 = _grouped(plan, q, k, v)
 
     S = (q5 @ k5.transpose(-1, -2)).reshape(B, H, Nq, Nk)  # (B, H, Nq, Nk)
     S_scaled = S * plan.scale
@@ -123,7 +129,7 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         A_dropped = torch.where(keep, A * keep_scale(plan.dropout_p), 0.0)
 
     v_finite = all_finite(v)
-    out = weighted_values(A_dropped.reshape(B, Hkv, G, Nq, Nk), v5, v_finite)
+    out = weighted_values(A_dropped.reshape(*q5.shape[:4], Nk), v5, v_finite)
     out = out.reshape(B, H, Nq, plan.v_dim).to(plan.dtype)
     return Steps(S=S, S_scaled=S_scaled, A=A, A_dropped=A_dropped, out=out, lse=lse)
 
@@ -154,12 +160,9 @@ def _lean(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`forward` without autograd: `compute`'s operations, in its order, in place."""
     check_fits(plan, q.device, LEAN_COPIES)
-    B, H, Hkv, G = plan.batch, plan.heads, plan.kv_heads, plan.groups
-    Nq, Nk = plan.q_len, plan.kv_len
+    B, H, Nq, Nk = plan.batch, plan.heads, plan.q_len, plan.kv_len
     cdt = plan.compute_dtype
-    q5 = q.to(cdt).reshape(B, Hkv, G, Nq, plan.head_dim)  # (B, Hkv, G, Nq, D)
-    k5 = k.to(cdt).unsqueeze(2)  # (B, Hkv, 1, Nk, D)
-    v5 = v.to(cdt).unsqueeze(2)  # (B, Hkv, 1, Nk, Dv)
+    q5, k5, v5 = _grouped(plan, q, k, v)
 
     s = (q5 @ k5.transpose(-1, -2)).reshape(B, H, Nq, Nk).mul_(plan.scale)  # (B, H, Nq, Nk)
     if plan.pairs.bias is not None:  # a −inf excludes the pair, whatever its score (even NaN)
@@ -195,7 +198,7 @@ def _lean(
             part = A_dropped[..., r0 : r0 + band, :]
             part.mul_(keep_scale(plan.dropout_p)).masked_fill_(~keep, 0.0)
 
-    out = weighted_values(A_dropped.reshape(B, Hkv, G, Nq, Nk), v5, all_finite(v))
+    out = weighted_values(A_dropped.reshape(*q5.shape[:4], Nk), v5, all_finite(v))
     return out.reshape(B, H, Nq, plan.v_dim).to(plan.dtype), lse, weights
 
 
