@@ -940,8 +940,8 @@ def dense_ratio(pattern: str, dtype: str, pass_: str) -> Callable[[Results], flo
     )
 
 
-def window_row(r: Results, impl: str = "cpu") -> rp.Row:
-    return rp.Row(r, "patterns", Pattern("sliding", r.settings["sparse_n"], "fp32"), impl)
+def window_row(r: Results, impl: str = "cpu", dtype: str = "fp32") -> rp.Row:
+    return rp.Row(r, "patterns", Pattern("sliding", r.settings["sparse_n"], dtype), impl)
 
 
 def window_ratio(pass_: str, anchor: str) -> Callable[[Results], float | None]:
@@ -986,8 +986,7 @@ def dp_ratio(pattern: str, pass_: str, anchor: str) -> Callable[[Results], float
 
 
 def dp_window_flex(r: Results) -> float | None:
-    row = rp.Row(r, "patterns", Pattern("sliding", r.settings["sparse_n"], "bf16"), dp_impl_of(r))
-    return (row.ratio(FWD, "flex") or {}).get("median")
+    return (window_row(r, dp_impl_of(r), "bf16").ratio(FWD, "flex") or {}).get("median")
 
 
 def dp_peak_share(r: Results) -> float | None:
@@ -1161,11 +1160,8 @@ def dense_case(pattern: str, dtype: str, impl: Callable[[Results], str] = lambda
     )
 
 
-def window_case(dtype: str, impl: Callable[[Results], str] = lambda r: "cpu"):
-    return lambda r: (
-        rp.Row(r, "patterns", Pattern("sliding", r.settings["sparse_n"], dtype), impl(r)),
-        "kept",
-    )
+def window_case(dtype: str):
+    return lambda r: (window_row(r, "cpu", dtype), "kept")
 
 
 NO_AMX = ("avx512bf16", "avx512", "avx2", "portable")
