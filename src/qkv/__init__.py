@@ -8,7 +8,7 @@ out = qkv.attention(q, k, v, mask=qkv.masks.sliding_window(256))   # block-spars
 
 import importlib
 
-from . import kernels, layout, masks, reference, scores
+from . import kernels, layout, masks, reference, scores, sparse
 from .cache import cache_info, clear_caches
 from .dispatch import Decision
 from .functional import attention, dispatch
@@ -59,4 +59,5 @@ __all__ = [
     "received_attention",
     "reference",
     "scores",
+    "sparse",
 ]

@@ -20,7 +20,7 @@ import torch
 from . import limits
 from .cache import handle, lookup
 from .layout import BlockLayout, allowed, causal_hidden, dense_allowed
-from .masks import Mask
+from .masks import ChosenBlocks, Mask
 
 
 class Band(NamedTuple):
@@ -155,6 +155,41 @@ class Pairs:
         ok = self.allowed(bi, hi, rows, cols)
         tensors_or_rule = any(x is not None for x in (mask, self.bias, rule))
         return Band(c0, None if ok is None else ~ok, tensors_or_rule)
+
+    def kv_choice(self, batch: int, kv_heads: int) -> torch.Tensor | None:
+        """For blocks chosen per batch element and kv head (`qkv.masks.ChosenBlocks`, with at
+        most the causal flag beside them), in a problem of `batch` elements and `kv_heads` kv
+        heads: the choice of each (b, kv head), int64 `(batch, kv_heads, query blocks, kmax)`
+        (its `index`; a choice made for fewer kv heads serves each of theirs, and a batch larger
+        than the choice's, as vmap folds its dimension into the batch, repeats it). None for
+        every other description, and for a choice whose heads of one kv group differ (made for
+        more kv heads than k has): one layout, the union, serves all heads then, exactly."""
+        rule = self.rule
+        if (
+            not isinstance(rule, ChosenBlocks)
+            or rule.one_group
+            or any(x is not None for x in (self.mask, self.bias, self.layout))
+        ):
+            return None
+        nb, ng = rule.index.shape[:2]
+        if kv_heads % ng or batch % nb:
+            return None
+        return rule.index.repeat_interleave(kv_heads // ng, 1).repeat(batch // nb, 1, 1, 1)
+
+    def kv_groups(self, batch: int, kv_heads: int) -> list[tuple[int, int, Pairs]] | None:
+        """Where `kv_choice` applies: `(b, kv head, pairs)` of each one-(b, kv head) problem,
+        b-major, whose kept tiles are that head's alone (its rule a one-group `ChosenBlocks`),
+        for a kernel that runs them one at a time; None where it does not."""
+        if self.kv_choice(batch, kv_heads) is None:
+            return None
+        rule = self.rule
+        nb, ng = rule.index.shape[:2]
+        per = kv_heads // ng
+        return [
+            (b, g, Pairs(self.q_len, self.kv_len, self.causal, rule.group(b % nb, g // per)))
+            for b in range(batch)
+            for g in range(kv_heads)
+        ]
 
     def op_args(self) -> OpPairs:
         """The description as a custom op's arguments (`from_op` rebuilds it)."""

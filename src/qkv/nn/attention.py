@@ -7,6 +7,7 @@ from torch import nn
 
 from .. import masks
 from ..functional import attention
+from ..sparse import BlockSelector
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding
 
@@ -119,6 +120,11 @@ class MultiHeadAttention(nn.Module):
             `qkv.distributed.parallelize(model, sp)` sets it on every MultiHeadAttention of a
             model. (The module calls the strategy's `positions` and `attention`; it never
             imports `qkv.distributed`.)
+        select: None, or a `qkv.sparse.BlockSelector`: self-attention then reads, per query
+            block and kv head, only the key blocks it chooses from the content (MoBA / Quest;
+            exact over the chosen pairs). With a `KVCache(pool_block=select.block)` a decoding
+            step scores the cache's pooled keys instead of re-pooling it. Not with a `mask`,
+            a windowed cache or a sharded sequence.
 
     `forward(x, context=None, mask=None, causal=False, cache=None, return_weights=False)`:
     self-attention on `x (B, N, d_model)` (or `(N, d_model)`), or cross-attention from `x` to
@@ -138,8 +144,12 @@ class MultiHeadAttention(nn.Module):
         rope: bool | RotaryEmbedding | None = None,
         backend: object = "auto",
         sequence_parallel: object = None,
+        select: BlockSelector | None = None,
     ):
         super().__init__()
+        if select is not None and not isinstance(select, BlockSelector):
+            raise TypeError(f"select must be a qkv.sparse.BlockSelector, got {select!r}")
+        self.select = select
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         for name, val in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -236,6 +246,8 @@ class MultiHeadAttention(nn.Module):
                 causal = False
             else:
                 causal = True
+        if self.select is not None and context is None:
+            mask = self._chosen(q, k, mask, causal, cache)
         res = self.strategy.attention(
             q,
             k,
@@ -254,6 +266,19 @@ class MultiHeadAttention(nn.Module):
             out = out[0]
             weights = weights[0] if weights is not None else None
         return (out, weights) if return_weights else out
+
+    def _chosen(self, q, k, mask, causal: bool, cache: KVCache | None) -> masks.Mask:
+        """The blocks `select` chooses for this call (the forward's mask)."""
+        if cache is not None and cache.window is not None:
+            raise ValueError("select chooses among all cached blocks; not with a windowed cache")
+        if mask is not None:
+            raise ValueError("select chooses the mask itself; do not pass mask= with it")
+        if self.sequence_parallel is not None:
+            raise ValueError("select needs the whole sequence; not with sequence_parallel")
+        pooled = None
+        if cache is not None and cache.pool_block == self.select.block:
+            pooled = cache.pooled_keys()
+        return self.select(q, k, causal=causal, pooled_k=pooled)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:

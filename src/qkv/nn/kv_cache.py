@@ -13,6 +13,10 @@ class KVCache:
         window: keep only the last `window` positions, in a ring buffer of `window` slots (then
             `max_len` is not used and the sequence may grow without bound). Without a window,
             appending past `max_len` is an error.
+        pool_block: also keep each block of `pool_block` positions' key sum (float32), updated
+            as tokens arrive, so that `pooled_keys()` (the blocks' mean keys, what
+            `qkv.sparse.select_blocks` scores a decoding query against: Quest-style decoding)
+            costs no pass over the cache. Not with a window.
 
     `update(k, v)` appends the new positions and returns the keys/values to attend to, oldest
     first: everything cached (no window), or the last `window − 1` cached positions followed by
@@ -29,6 +33,7 @@ class KVCache:
         window: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        pool_block: int | None = None,
     ):
         for name, val in (
             ("batch_size", batch_size),
@@ -49,6 +54,17 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0  # positions seen so far
+        if pool_block is not None and (
+            isinstance(pool_block, bool) or not isinstance(pool_block, int) or pool_block < 1
+        ):
+            raise ValueError(f"pool_block must be a positive int or None, got {pool_block!r}")
+        if pool_block is not None and window is not None:
+            raise ValueError("pool_block keeps blocks of the whole sequence; not with a window")
+        self.pool_block = pool_block
+        blocks = -(-max_len // pool_block) if pool_block else 0
+        self.key_sums = torch.zeros(
+            (batch_size, n_kv_heads, blocks, head_dim), dtype=torch.float32, device=device
+        )
 
     def __repr__(self) -> str:
         b, h, slots, d = self.keys.shape
@@ -60,6 +76,19 @@ class KVCache:
     def reset(self) -> None:
         """Forget every position (the storage is kept)."""
         self.length = 0
+        self.key_sums.zero_()
+
+    def pooled_keys(self) -> torch.Tensor:
+        """float32 `(B, Hkv, ceil(length / pool_block), head_dim)`: the mean key of each block
+        of cached positions (the last block's over the positions it holds so far)."""
+        if self.pool_block is None:
+            raise ValueError("this KVCache keeps no pooled keys: build it with pool_block=")
+        block, n = self.pool_block, self.length
+        nb = -(-n // block)
+        counts = torch.full((nb, 1), float(block), device=self.key_sums.device)
+        if nb:
+            counts[-1] = n - (nb - 1) * block
+        return self.key_sums[:, :, :nb] / counts
 
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         b, h, _, d = self.keys.shape
@@ -84,6 +113,9 @@ class KVCache:
                 )
             self.keys[:, :, start : start + n] = k
             self.values[:, :, start : start + n] = v
+            if self.pool_block is not None:
+                blocks = torch.arange(start, start + n, device=k.device) // self.pool_block
+                self.key_sums.index_add_(2, blocks, k.detach().float())
             self.length += n
             return self.keys[:, :, : start + n], self.values[:, :, : start + n], 0
         slots = self.keys.shape[2]

@@ -151,6 +151,11 @@ class CpuBackend:
         _, why = _mods(plan)
         if why is not None:
             return why
+        if plan.dropout_p > 0 and plan.pairs.kv_groups(plan.batch, plan.kv_heads) is not None:
+            return (
+                "dropout over blocks chosen per kv head: the kernel runs one head group at a "
+                "time and would draw another mask than qkv.dropout's (tiled runs it)"
+            )
         return kernel_status()[1]
 
     def auto_skip(self, plan: AttentionPlan) -> str | None:

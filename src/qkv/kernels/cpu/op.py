@@ -23,7 +23,7 @@ from ...cache import lookup
 from ...numerics import once_differentiable
 from ...pairs import OpPairs, Pairs
 from . import load
-from .tile_encoding import kernel_layout
+from .tile_encoding import CpuLayout, chosen_forward, chosen_layouts, joined, kernel_layout
 
 
 class CpuArgs(NamedTuple):
@@ -42,9 +42,44 @@ class CpuArgs(NamedTuple):
     isa: str
 
 
-def _layout(q, k, mask, causal: bool, rule: int, held: int, block_q: int):
-    pairs = Pairs.from_op(q.shape[2], k.shape[2], OpPairs(mask, None, causal, rule, held))
-    return kernel_layout(pairs, block_q)
+def _pairs(q, k, mask, causal: bool, rule: int, held: int) -> Pairs:
+    return Pairs.from_op(q.shape[2], k.shape[2], OpPairs(mask, None, causal, rule, held))
+
+
+def forward_layout(pairs: Pairs, batch: int, kv_heads: int, block_q: int) -> CpuLayout:
+    """What the forward reads: the problem's one layout, or, for blocks chosen per (b, kv
+    head) (`Pairs.kv_choice`), each group's own tile lists back to back (one call, each group
+    over its own tiles)."""
+    choice = pairs.kv_choice(batch, kv_heads)
+    if choice is None:
+        return kernel_layout(pairs, block_q)
+    built = chosen_forward(pairs, choice, block_q)
+    if built is not None:
+        return built
+    return joined([kernel_layout(one, block_q) for *_, one in pairs.kv_groups(batch, kv_heads)])
+
+
+def group_layouts(pairs: Pairs, batch: int, kv_heads: int, block_q: int) -> list[CpuLayout]:
+    """The backward's tile lists of each (b, kv head) of blocks chosen per group
+    (`Pairs.kv_groups` order): all at once from the block lists where they are whole tiles,
+    else each group's own `kernel_layout`."""
+    built = chosen_layouts(pairs, pairs.kv_choice(batch, kv_heads), block_q)
+    if built is not None:
+        return built
+    return [kernel_layout(one, block_q) for *_, one in pairs.kv_groups(batch, kv_heads)]
+
+
+def _group(q, k, v, slopes, b: int, g: int):
+    """The tensors of batch element b, kv head g: its G query heads (views, no copy)."""
+    heads = slice(g * (q.shape[1] // k.shape[1]), (g + 1) * (q.shape[1] // k.shape[1]))
+    one = slice(b, b + 1)
+    return (
+        heads,
+        q[one, heads],
+        k[one, g : g + 1],
+        v[one, g : g + 1],
+        (None if slopes is None else slopes[heads]),
+    )
 
 
 @torch.compiler.assume_constant_result  # a compiled graph keeps the setting it was traced under
@@ -98,12 +133,18 @@ def forward_impl(
     """`(out, lse, m, l)`: each row's max m (float32) and denominator l (float64) are what the
     backward needs. `precise_scores`: float32 scores in float chains summed in double (else one
     float sum)."""
-    L = _layout(q, k, mask, causal, rule, held, block_q)
-    with _interruptible():
-        out, m, l, lse = load().forward(
-            q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.q_starts, L.k_starts, L.block_q,
-            scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
-        )  # fmt: skip
+    pairs = _pairs(q, k, mask, causal, rule, held)
+    settings = (softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa)
+
+    def run(L, q, k, v, slopes):
+        with _interruptible():
+            return load().forward(
+                q, k, v, L.row_ptr, L.col_idx, L.code, L.bits, L.q_starts, L.k_starts,
+                L.block_q, scale, slopes, *settings,
+            )  # fmt: skip
+
+    L = forward_layout(pairs, q.shape[0], k.shape[1], block_q)
+    out, m, l, lse = run(L, q, k, v, slopes)
     return out, lse, m, l
 
 
@@ -145,13 +186,27 @@ def backward_impl(
     isa: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dq, dk, dv)` of `cpu_forward`'s out and lse."""
-    L = _layout(q, k, mask, causal, rule, held, block_q)
-    with _interruptible():
-        dq, dk, dv = load().backward(
-            dout, dlse, q, k, v, out, m, l, L.row_ptr, L.col_idx, L.code, L.col_ptr, L.row_idx,
-            L.code_t, L.bits, L.q_starts, L.k_starts, L.block_q,
-            scale, slopes, softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa,
-        )  # fmt: skip
+    pairs = _pairs(q, k, mask, causal, rule, held)
+    settings = (softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa)
+
+    def run(L, dout, dlse, q, k, v, out, m, l, slopes):
+        with _interruptible():
+            return load().backward(
+                dout, dlse, q, k, v, out, m, l, L.row_ptr, L.col_idx, L.code, L.col_ptr,
+                L.row_idx, L.code_t, L.bits, L.q_starts, L.k_starts, L.block_q, scale, slopes,
+                *settings,
+            )  # fmt: skip
+
+    groups = pairs.kv_groups(q.shape[0], k.shape[1])
+    if groups is None:
+        return run(kernel_layout(pairs, block_q), dout, dlse, q, k, v, out, m, l, slopes)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    layouts = group_layouts(pairs, q.shape[0], k.shape[1], block_q)
+    for (b, g, _), L in zip(groups, layouts, strict=True):
+        heads, qg, kg, vg, sg = _group(q, k, v, slopes, b, g)
+        rows = [None if t is None else t[b : b + 1, heads] for t in (dout, dlse, out, m, l)]
+        gq, gk, gv = run(L, rows[0], rows[1], qg, kg, vg, *rows[2:], sg)
+        dq[b, heads], dk[b, g], dv[b, g] = gq[0], gk[0, 0], gv[0, 0]
     return dq, dk, dv
 
 

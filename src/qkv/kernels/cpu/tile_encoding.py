@@ -43,7 +43,14 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import CACHE
-from ...layout import BlockLayout, allowed, layout_for, row_intervals, segment_tiles
+from ...layout import (
+    BlockLayout,
+    allowed,
+    causal_bounds,
+    layout_for,
+    row_intervals,
+    segment_tiles,
+)
 from ...pairs import Pairs
 from .build import loaded
 
@@ -221,6 +228,154 @@ def interval_layout(pairs: Pairs, block_q: int) -> CpuLayout | None:
         keys = m[:, :, 0, :].cpu().expand(bm, hm, pairs.kv_len)
     arrays = ops.tile_layout(lo, hi, keys, pairs.q_len, pairs.kv_len, block_q, pairs.causal)
     return CpuLayout(block_q, pairs.q_len, pairs.kv_len, *arrays)
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    """The kept tiles of every (b, kv head) of a choice, group-major then by query tile:
+    group, query tile, key tile and FULL of each; the PARTIAL ones' bits in that order."""
+
+    groups: int
+    nqb: int
+    nkb: int
+    group: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    full: torch.Tensor
+    bits: torch.Tensor
+
+
+def _chosen_tiles(pairs: Pairs, choice: torch.Tensor, block_q: int) -> _Chosen | None:
+    """Read straight from the block lists `choice` (`Pairs.kv_choice`) when the blocks are
+    whole key tiles and hold whole query tiles (block a multiple of 64 and of block_q): each
+    chosen block's tiles, FULL, except the causal diagonal's PARTIAL ones, whose bits come from
+    the causal problem's own cached layout. None otherwise."""
+    rule, nq, nk = pairs.rule, pairs.q_len, pairs.kv_len
+    block = rule.block
+    if block % BLOCK_K or block % block_q or nq == 0 or nk == 0:
+        return None
+    nqb, nkb, per = -(-nq // block_q), -(-nk // BLOCK_K), block // BLOCK_K
+    first_row = torch.arange(nqb) * block_q
+    picks = choice.flatten(0, 1)[:, first_row // block]  # (groups, nqb, kmax)
+    if per == 1:  # blocks of one tile
+        tiles, keep = picks, picks >= 0
+    else:
+        tiles = (picks[..., None] * per + torch.arange(per)).flatten(2)  # (groups, nqb, kmax·per)
+        keep = (picks >= 0).repeat_interleave(per, 2) & (tiles < nkb)
+    full = torch.ones_like(keep)
+    if rule.causal or pairs.causal:
+        lo = (first_row + (nk - nq))[:, None]  # the tile's first and last query positions
+        hi = (torch.clamp(first_row + block_q, max=nq) - 1 + (nk - nq))[:, None]
+        k_hi = torch.clamp((tiles + 1) * BLOCK_K, max=nk) - 1
+        some, full = causal_bounds(lo, hi, tiles * BLOCK_K, k_hi)
+        keep &= some
+    n_groups = picks.shape[0]
+    group = torch.arange(n_groups).view(-1, 1, 1).expand(keep.shape)[keep]
+    rows = torch.arange(nqb).view(1, -1, 1).expand(keep.shape)[keep]
+    cols, full = tiles[keep], full[keep]
+    bits = _causal_bits(nq, nk, block_q, rows[~full], cols[~full])
+    return _Chosen(n_groups, nqb, nkb, group, rows, cols, full, bits)
+
+
+def chosen_forward(pairs: Pairs, choice: torch.Tensor, block_q: int) -> CpuLayout | None:
+    """The forward arrays of every (b, kv head) of a choice at once (`_chosen_tiles`), their
+    row pointers back to back (the kernel reads one CSR per (b, kv head)): tens of
+    microseconds for a decoding step, a few milliseconds at 65,536 tokens. None where the
+    blocks are not whole tiles (`joined` then joins each group's `kernel_layout`)."""
+    t = _chosen_tiles(pairs, choice, block_q)
+    if t is None:
+        return None
+    code = torch.full((t.cols.numel(),), TILE_FULL, dtype=torch.int32)
+    partial = ~t.full
+    code[partial] = torch.arange(int(partial.sum()), dtype=torch.int32)
+    counts = torch.zeros(t.groups * (t.nqb + 1), dtype=torch.long)
+    counts[1:].index_add_(0, t.group * (t.nqb + 1) + t.rows, torch.ones_like(t.rows))
+    return CpuLayout(
+        block_q=block_q, q_len=pairs.q_len, kv_len=pairs.kv_len, row_ptr=counts.cumsum(0),
+        col_idx=t.cols.to(torch.int32), code=code, col_ptr=_EMPTY, row_idx=_EMPTY_I,
+        code_t=_EMPTY_I, bits=t.bits,
+    )  # fmt: skip
+
+
+_EMPTY, _EMPTY_I = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32)
+
+
+def chosen_layouts(pairs: Pairs, choice: torch.Tensor, block_q: int) -> list[CpuLayout] | None:
+    """The arrays of each (b, kv head) of a choice (`Pairs.kv_groups` order), forward and
+    backward, built for all at once (`_chosen_tiles`); None where the blocks are not whole
+    tiles (each group's `kernel_layout` then)."""
+    t = _chosen_tiles(pairs, choice, block_q)
+    if t is None:
+        return None
+    per_group = torch.bincount(t.group, minlength=t.groups)
+    partial = ~t.full
+    n_partial = torch.bincount(t.group[partial], minlength=t.groups)
+    p_start = torch.cumsum(n_partial, 0) - n_partial
+    code = torch.full((t.cols.numel(),), TILE_FULL, dtype=torch.int32)
+    p_global = torch.cumsum(partial, 0) - 1  # partial tiles before, over all groups
+    code[partial] = (p_global[partial] - p_start[t.group[partial]]).to(torch.int32)
+    counts = torch.zeros(t.groups, t.nqb + 1, dtype=torch.long)
+    counts.view(-1)[1:].index_add_(0, t.group * (t.nqb + 1) + t.rows, torch.ones_like(t.rows))
+    row_ptr = counts.cumsum(1)
+    col_counts = torch.zeros(t.groups, t.nkb + 1, dtype=torch.long)
+    col_counts.view(-1)[1:].index_add_(0, t.group * (t.nkb + 1) + t.cols, torch.ones_like(t.cols))
+    col_ptr = col_counts.cumsum(1)
+    by_col = torch.argsort(t.group * t.nkb + t.cols, stable=True)  # each group's by column
+    sizes = per_group.tolist()
+    arrays = (t.cols.to(torch.int32), code, t.rows[by_col].to(torch.int32), code[by_col])
+    parts = [x.split(sizes) for x in arrays]
+    return [
+        CpuLayout(
+            block_q=block_q,
+            q_len=pairs.q_len,
+            kv_len=pairs.kv_len,
+            row_ptr=row_ptr[g],
+            col_idx=parts[0][g],
+            code=parts[1][g],
+            col_ptr=col_ptr[g],
+            row_idx=parts[2][g],
+            code_t=parts[3][g],
+            bits=bits_g,
+        )
+        for g, bits_g in enumerate(t.bits.split(n_partial.tolist()))
+    ]
+
+
+def joined(layouts: list[CpuLayout]) -> CpuLayout:
+    """The forward arrays of several one-(b, kv head) layouts of a problem (`Pairs.kv_groups`
+    order) as one: their row pointers back to back, offset into the joined tile and bits
+    arrays, which the kernel's forward reads per (b, kv head) in one call."""
+    first = layouts[0]
+    kept = torch.tensor([0] + [lay.kept_tiles for lay in layouts[:-1]]).cumsum(0)
+    parts = torch.tensor([0] + [lay.partial_tiles for lay in layouts[:-1]]).cumsum(0)
+    codes = [
+        torch.where(lay.code >= 0, lay.code + int(p), lay.code)
+        for lay, p in zip(layouts, parts.tolist(), strict=True)
+    ]
+    return CpuLayout(
+        block_q=first.block_q,
+        q_len=first.q_len,
+        kv_len=first.kv_len,
+        row_ptr=torch.cat([lay.row_ptr + o for lay, o in zip(layouts, kept, strict=True)]),
+        col_idx=torch.cat([lay.col_idx for lay in layouts]),
+        code=torch.cat(codes),
+        col_ptr=first.col_ptr,  # the backward reads each group's own
+        row_idx=first.row_idx,
+        code_t=first.code_t,
+        bits=torch.cat([lay.bits for lay in layouts]),
+    )
+
+
+def _causal_bits(nq: int, nk: int, block_q: int, rows: torch.Tensor, cols: torch.Tensor):
+    """The bits of PARTIAL tiles (rows[p], cols[p]) under the causal rule alone (a chosen
+    block's keys are all chosen): evaluated once per distinct tile (the groups share their
+    diagonal tiles), never from the causal problem's whole layout (O(N²) tiles)."""
+    if not rows.numel():
+        return torch.zeros(0, 1, 1, block_q, dtype=torch.int64)
+    nkb = -(-nk // BLOCK_K)
+    tiles, at = torch.unique(rows * nkb + cols, return_inverse=True)
+    bits = partial_bits(Pairs(nq, nk, causal=True), tiles // nkb, tiles % nkb, block_q)
+    return bits[at]
 
 
 def _build(pairs: Pairs, block_q: int) -> CpuLayout:

@@ -133,7 +133,7 @@ Layout layout_of(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at:
                  const at::Tensor& col_ptr, const at::Tensor& row_idx, const at::Tensor& code_t,
                  const at::Tensor& bits, const std::optional<at::Tensor>& q_starts,
                  const std::optional<at::Tensor>& k_starts, int64_t bq, int64_t Nq, int64_t Nk,
-                 int64_t B, int64_t H) {
+                 int64_t B, int64_t H, int64_t Hkv) {
   TORCH_CHECK(bq >= 1, "qkv_cpu: block_q must be ≥ 1");
   const bool ragged = q_starts.has_value() && q_starts->defined();
   TORCH_CHECK(ragged == (k_starts.has_value() && k_starts->defined()),
@@ -167,30 +167,41 @@ Layout layout_of(const at::Tensor& row_ptr, const at::Tensor& col_idx, const at:
   L.q_starts = ragged ? q_starts->data_ptr<int64_t>() : nullptr;
   L.k_starts = ragged ? k_starts->data_ptr<int64_t>() : nullptr;
   const int64_t P = bits.size(0);
+  // `groups` CSRs back to back, each continuing where the one before ends
   auto check_csr = [&](const at::Tensor& ptr, const at::Tensor& idx, const at::Tensor& cd,
-                       int64_t n_rows, int64_t n_cols, const char* what) {
+                       int64_t n_rows, int64_t n_cols, int64_t groups, const char* what) {
     check_index(ptr, at::kLong, what);
     check_index(idx, at::kInt, what);
     check_index(cd, at::kInt, what);
-    TORCH_CHECK(ptr.numel() == n_rows + 1 && idx.numel() == cd.numel(), "qkv_cpu: ", what,
-                " has the wrong size for this problem");
+    TORCH_CHECK(ptr.numel() == groups * (n_rows + 1) && idx.numel() == cd.numel(), "qkv_cpu: ",
+                what, " has the wrong size for this problem");
     const int64_t* p = ptr.data_ptr<int64_t>();
     const int32_t* ix = idx.data_ptr<int32_t>();
     const int32_t* c = cd.data_ptr<int32_t>();
-    TORCH_CHECK(p[0] == 0 && p[n_rows] == idx.numel(), "qkv_cpu: ", what, " is not a CSR");
-    for (int64_t r = 0; r < n_rows; ++r) TORCH_CHECK(p[r] <= p[r + 1], "qkv_cpu: ", what, " is not a CSR");
+    int64_t end = 0;
+    for (int64_t g = 0; g < groups; ++g, p += n_rows + 1) {
+      TORCH_CHECK(p[0] == end, "qkv_cpu: ", what, " is not a CSR");
+      for (int64_t r = 0; r < n_rows; ++r)
+        TORCH_CHECK(p[r] <= p[r + 1], "qkv_cpu: ", what, " is not a CSR");
+      end = p[n_rows];
+    }
+    TORCH_CHECK(end == idx.numel(), "qkv_cpu: ", what, " is not a CSR");
     for (int64_t e = 0; e < idx.numel(); ++e)
       TORCH_CHECK(ix[e] >= 0 && ix[e] < n_cols && c[e] >= TILE_FULL && c[e] < P, "qkv_cpu: ", what,
                   " holds an index out of range");
   };
+  L.ng = 1;
   if (row_ptr.defined()) {
-    check_csr(row_ptr, col_idx, code, nqb, nkb, "the forward tile list");
+    L.ng = row_ptr.numel() == nqb + 1 ? 1 : B * Hkv;
+    TORCH_CHECK(!col_ptr.defined() || L.ng == 1,
+                "qkv_cpu: the backward reads one tile list for all heads");
+    check_csr(row_ptr, col_idx, code, nqb, nkb, L.ng, "the forward tile list");
     L.row_ptr = row_ptr.data_ptr<int64_t>();
     L.col_idx = col_idx.data_ptr<int32_t>();
     L.code = code.data_ptr<int32_t>();
   }
   if (col_ptr.defined()) {
-    check_csr(col_ptr, row_idx, code_t, nkb, nqb, "the backward tile list");
+    check_csr(col_ptr, row_idx, code_t, nkb, nqb, 1, "the backward tile list");
     L.col_ptr = col_ptr.data_ptr<int64_t>();
     L.row_idx = row_idx.data_ptr<int32_t>();
     L.code_t = code_t.data_ptr<int32_t>();
@@ -316,10 +327,11 @@ int64_t call_macs(const Problem& P, int64_t nnz) {
 void fill_empty_rows(const Problem& P, const at::Tensor& out) {
   const Layout& L = P.lay;
   const int64_t es = out.element_size();
-  for (int64_t i = 0; i < L.nqb; ++i) {
-    if (L.row_ptr[i + 1] > L.row_ptr[i]) continue;
-    const int64_t r0 = tile_r0(P, i), r1 = r0 + tile_nr(P, i);
-    for (int64_t bh = 0; bh < P.B * P.H; ++bh) {
+  for (int64_t bh = 0; bh < P.B * P.H; ++bh) {
+    const int64_t* rows = fwd_rows(P, bh / P.H, bh % P.H / P.G);
+    for (int64_t i = 0; i < L.nqb; ++i) {
+      if (rows[i + 1] > rows[i]) continue;
+      const int64_t r0 = tile_r0(P, i), r1 = r0 + tile_nr(P, i);
       std::memset((char*)out.data_ptr() + (bh * P.Nq + r0) * P.Dv * es, 0, (r1 - r0) * P.Dv * es);
       for (int64_t r = r0; r < r1; ++r) {
         P.m[bh * P.Nq + r] = -std::numeric_limits<float>::infinity();
@@ -407,8 +419,7 @@ struct FwdState {
 void plan_forward(const Problem& P, FwdState& S) {
   const Layout& L = P.lay;
   const int64_t BH = P.B * P.Hkv, nqb = L.nqb;
-  int64_t total = 0;
-  for (int64_t i = 0; i < nqb; ++i) total += L.row_ptr[i + 1] - L.row_ptr[i];
+  const int64_t total = fwd_kept(L);  // per (b, kv head)
   const int64_t T = target_items();
   const int64_t per_item = std::max<int64_t>(8, (total * BH + T - 1) / std::max<int64_t>(T, 1));
   S.nsplit.assign(BH * nqb, 0);
@@ -416,8 +427,9 @@ void plan_forward(const Problem& P, FwdState& S) {
   S.done.assign(BH * nqb, 0);
   int64_t slots = 0;
   for (int64_t bh = 0; bh < BH; ++bh) {  // one head's query tiles in order (fwd_key_tile's cache)
+    const int64_t* rows = fwd_rows(P, bh / P.Hkv, bh % P.Hkv);
     for (int64_t i = 0; i < nqb; ++i) {
-      const int64_t kept = L.row_ptr[i + 1] - L.row_ptr[i];
+      const int64_t kept = rows[i + 1] - rows[i];
       if (kept == 0) continue;
       const int64_t ns = (kept + per_item - 1) / per_item;
       S.nsplit[bh * nqb + i] = (int32_t)ns;
@@ -431,8 +443,8 @@ void plan_forward(const Problem& P, FwdState& S) {
         it.hkv = (int32_t)(bh % P.Hkv);
         it.i = (int32_t)i;
         it.split = (int32_t)s;
-        it.e0 = L.row_ptr[i] + kept * s / ns;
-        it.e1 = L.row_ptr[i] + kept * (s + 1) / ns;
+        it.e0 = rows[i] + kept * s / ns;
+        it.e1 = rows[i] + kept * (s + 1) / ns;
         S.items.push_back(it);
       }
     }
@@ -629,7 +641,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
                         dropout_seed, precise_scores);
   Problem& P = in.P;
   P.lay = layout_of(row_ptr, col_idx, tile_code, at::Tensor(), at::Tensor(), at::Tensor(), bits,
-                    q_starts, k_starts, block_q, P.Nq, P.Nk, P.B, P.H);
+                    q_starts, k_starts, block_q, P.Nq, P.Nk, P.B, P.H, P.Hkv);
   const auto opts = in.q.options();
   // uninitialised: every row is written by an item or by fill_empty_rows
   at::Tensor out = empty_result({P.B, P.H, P.Nq, P.Dv}, opts);
@@ -660,7 +672,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   }
   int32_t error = 0;
   InterruptScope interrupt;
-  run_parallel(call_macs(P, P.lay.row_ptr[P.lay.nqb]), S.plan.n_items,
+  run_parallel(call_macs(P, fwd_kept(P.lay)), S.plan.n_items,
                [&](ItemQueue* items) { K.forward(P, S.plan, items, &error); });
   interrupt.finish();
   if (error) throw std::bad_alloc();
@@ -704,7 +716,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
             at::zeros({P.B, P.Hkv, P.Nk, P.Dv}, o)};
   }
   P.lay = layout_of(row_ptr, col_idx, tile_code, col_ptr, row_idx, tile_code_t, bits, q_starts,
-                    k_starts, block_q, P.Nq, P.Nk, P.B, P.H);
+                    k_starts, block_q, P.Nq, P.Nk, P.B, P.H, P.Hkv);
   at::Tensor dout_c = rows_dense(dout.to(in.q.scalar_type()));
   // The column pass reads float32 rows of Q and dO in place where each row follows the last
   // (rows_in_place in bwd_item), else copies them per key column, query tile and head.

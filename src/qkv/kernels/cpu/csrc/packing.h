@@ -80,7 +80,7 @@ static inline int64_t fwd_pair_elems(const Problem& P) {  // K's blocks, then V'
 }
 static int64_t fwd_share_elems(const Problem& P) {
   const Layout& L = P.lay;
-  const int64_t tiles = P.B * P.Hkv * L.nkb, kept = L.row_ptr[L.nqb];
+  const int64_t tiles = P.B * P.Hkv * L.nkb, kept = fwd_kept(L);
   int64_t elems = 0;
   if (scores_on_tiles(P) && P.D == P.Dp && kept > KT_SLOTS * L.nqb)
     elems = tiles * tile_b3_elems(P.D);

@@ -30,10 +30,13 @@ struct View {
 
 // The block layout (see layout.py): CSR of kept tiles by query-tile row for the forward, the
 // transposed CSR by key-tile column for the backward (same tile codes), and the allowed-key
-// bits of the PARTIAL tiles, `bits[((p * bm + b) * hm + h) * bq + r]` for tile code p.
+// bits of the PARTIAL tiles, `bits[((p * bm + b) * hm + h) * bq + r]` for tile code p. The
+// forward may read one CSR per (b, kv head), `ng` = B·Hkv of them (blocks chosen per head:
+// qkv.sparse), back to back in row_ptr with offsets into the shared col_idx, code and bits.
 struct Layout {
   int64_t bq, nqb, nkb;
-  const int64_t* row_ptr;  // (nqb + 1)
+  int64_t ng;              // forward CSRs: 1, or B·Hkv (one per (b, kv head), b-major)
+  const int64_t* row_ptr;  // (ng · (nqb + 1))
   const int32_t* col_idx;  // (nnz) key tile of each kept tile
   const int32_t* code;     // (nnz) TILE_FULL or index into bits
   const int64_t* col_ptr;  // (nkb + 1)
@@ -93,6 +96,17 @@ struct Problem {
   Mods mods;
   Drop drop;
 };
+
+// The forward CSR of (b, kv head): the shared one, or its own (Layout.ng > 1).
+static inline const int64_t* fwd_rows(const Problem& P, int64_t b, int64_t hkv) {
+  return P.lay.row_ptr + (P.lay.ng > 1 ? (b * P.Hkv + hkv) * (P.lay.nqb + 1) : 0);
+}
+
+// Kept tiles of one forward CSR, on average over the groups (the size of a call, for choices
+// that depend on it).
+static inline int64_t fwd_kept(const Layout& L) {
+  return L.row_ptr[L.ng * (L.nqb + 1) - 1] / L.ng;
+}
 
 // Query tile i: rows [tile_r0, tile_r0 + tile_nr); key tile j: keys [tile_c0, tile_c0 + tile_kw).
 static inline int64_t tile_r0(const Problem& P, int64_t i) {
