@@ -1,6 +1,10 @@
 """`tiled` backend: FlashAttention-2 written in PyTorch (the steps are in `steps.py`), exact
 with O(N) extra memory, forward and backward, for every mask kind, score modifier and dropout.
 
+Blocks chosen per batch element and kv head (`qkv.sparse.select_blocks`) run one (batch
+element, kv head) at a time, each over its own kept tiles (`steps.kv_parts`), dropout and score
+modifiers included.
+
 Structured masks on the CPU can run their forward, when no gradient will be taken, on torch's
 fused C++ flash kernel fed strip by strip (`fused.py`).
 
@@ -22,10 +26,11 @@ from .steps import (
     MAX_COLS,
     MAX_ROWS,
     RowStats,
-    TileProblem,
     Tiling,
     backward_loop,
+    backward_parts,
     forward_loop,
+    forward_parts,
 )
 
 # A tiling whose products are narrower than the default's folds a row's keys in more online-
@@ -42,19 +47,21 @@ _NO_FUNC = (
 
 
 class _ScoreModAttention(torch.autograd.Function):
-    """The tiled loop with a score modifier, whose parameters get gradients too."""
+    """The tiled loop with a score modifier, whose parameters get gradients too: `apply(q, k,
+    v, plan, tiling, *params)`, one kv group at a time where the plan's blocks are chosen per
+    kv head (`steps.forward_parts`)."""
 
     @staticmethod
-    def forward(q, k, v, tiles, *params):  # type: ignore[override]
-        out, lse, stats = forward_loop(tiles, q, k, v)
+    def forward(q, k, v, plan, tiling, *params):  # type: ignore[override]
+        out, lse, stats = forward_parts(plan, tiling, q, k, v, forward_loop)
         return out, lse, stats.hi, stats.l
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
-        q, k, v, tiles, *params = inputs
+        q, k, v, plan, tiling, *params = inputs
         _, _, hi, l = output
         ctx.save_for_backward(q, k, v, hi, l, *params)
-        ctx.tiles = tiles
+        ctx.job = (plan, tiling)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(hi, l)
 
@@ -68,13 +75,15 @@ class _ScoreModAttention(torch.autograd.Function):
         stats = RowStats(hi, None, l)
         try:
             with torch.no_grad():
-                dq, dk, dv, dparams = backward_loop(ctx.tiles, q, k, v, stats, dout, dlse)
+                dq, dk, dv, dparams = backward_parts(
+                    *ctx.job, q, k, v, stats, dout, dlse, backward_loop
+                )
         except NotImplementedError as e:  # torch.func.grad hands the backward its wrappers
             if "TensorWrapper" in str(e):
                 raise NotImplementedError(_NO_FUNC) from e
             raise
         grads = once_differentiable("tiled", (dq, dk, dv, *dparams), (q, k, v, *params))
-        return *grads[:3], None, *grads[3:]
+        return *grads[:3], None, None, *grads[3:]
 
 
 class TiledBackend:
@@ -177,8 +186,7 @@ class TiledBackend:
             return out, lse, None
         # A score modifier is Python code with learnable tensors: an autograd Function.
         params = plan.score_mod.params
-        tiles = TileProblem(plan, q, self.tiling)
-        out, lse, _, _ = _ScoreModAttention.apply(q, k, v, tiles, *params)
+        out, lse, _, _ = _ScoreModAttention.apply(q, k, v, plan, self.tiling, *params)
         return out, lse, None
 
     def why_not_received(self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor) -> str | None:

@@ -9,6 +9,13 @@ the backend's tiling and fused-strips settings as lists of numbers, the structur
 a held `BlockLayout` as small integer handles (`qkv.cache.handle`), so a compiled graph
 specialises on them (a new Mask object means a new graph, as a new `BlockMask` does for
 FlexAttention).
+
+Blocks chosen per batch element and kv head (`qkv.masks.ChosenBlocks`, from
+`qkv.sparse.select_blocks`) run inside the ops one (batch element, kv head) at a time
+(`steps.kv_parts`): each group's G query heads and its kv head, as views, over that group's own
+kept tiles (not the union over every head), written into whole preallocated results; the
+backward likewise. So autograd, torch.compile and vmap see the same two ops and save only the
+whole out; dropout draws `qkv.dropout`'s mask exactly, from the whole problem's (b, h).
 """
 
 from __future__ import annotations
@@ -21,7 +28,15 @@ from ...pairs import OpPairs, Pairs
 from ...plan import AttentionPlan
 from . import fused as fused_mod
 from .fused import FusedStrips
-from .steps import RowStats, TileProblem, Tiling, backward_loop, forward_loop
+from .steps import (
+    RowStats,
+    TileProblem,
+    Tiling,
+    backward_loop,
+    backward_parts,
+    forward_loop,
+    kv_parts,
+)
 
 
 def _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held):
@@ -91,16 +106,36 @@ def forward_impl(
     tiling: list[int],
     fused: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(out, lse, row max, row sum)`: the last two are what the backward needs."""
+    """`(out, lse, row max, row sum)`: the last two are what the backward needs. Blocks
+    chosen per kv head run one (batch element, kv head) at a time, each over its own kept
+    tiles (`steps.kv_parts`), into the whole results."""
     tiles, cfg = _settings(tiling, fused)
     plan = _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held)
+    parts = kv_parts(plan)
+    if parts is None:
+        out, lse, hi, l = _forward(plan, tiles, cfg, q, k, v, None)
+        return out.contiguous(), lse, hi, l
+    B, H, Nq = plan.batch, plan.heads, plan.q_len
+    results = (
+        q.new_empty(B, H, Nq, plan.v_dim),
+        *(q.new_empty(B, H, Nq, dtype=_stat_dtype(q)) for _ in range(3)),
+    )
+    for p in parts:
+        got = _forward(p.plan, tiles, cfg, p.rows(q), p.kv(k), p.kv(v), p.origin)
+        for whole, part in zip(results, got, strict=True):
+            whole[p.b, p.heads] = part[0]
+    return results
+
+
+def _forward(plan: AttentionPlan, tiles: Tiling, cfg: FusedStrips | None, q, k, v, origin):
+    """`forward_impl`'s results for one problem (a whole plan or a `Part`'s)."""
     if fused_reason(cfg, plan, q, k, v) is None:  # no gradient: torch's fused op, in strips
         sched = fused_mod.schedule(plan, tiles.block_q, tiles.block_k, cfg)
         out, lse = fused_mod.forward(plan, sched, q, k, v)
         stats = RowStats.from_lse(lse, plan.compute_dtype)
-        return out.contiguous(), lse, stats.hi, torch.ones_like(stats.hi)
-    out, lse, stats = forward_loop(TileProblem(plan, q, tiles), q, k, v)
-    return out.contiguous(), lse, stats.hi, stats.l
+        return out, lse, stats.hi, torch.ones_like(stats.hi)
+    out, lse, stats = forward_loop(TileProblem(plan, q, tiles, origin), q, k, v)
+    return out, lse, stats.hi, stats.l
 
 
 tiled_forward = torch.library.custom_op("qkv::tiled_forward", forward_impl, mutates_args=())
@@ -141,8 +176,9 @@ def backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dq, dk, dv)` of `tiled_forward`'s out and lse."""
     plan = _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, True, rule, held)
-    T = TileProblem(plan, q, _settings(tiling, fused)[0])
-    dq, dk, dv, _ = backward_loop(T, q, k, v, RowStats(row_max, None, row_sum), dout, dlse)
+    stats = RowStats(row_max, None, row_sum)
+    tiles = _settings(tiling, fused)[0]
+    dq, dk, dv, _ = backward_parts(plan, tiles, q, k, v, stats, dout, dlse, backward_loop)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

@@ -23,6 +23,11 @@ heads share their key/value tile without copying it (the group is folded into th
 tiles run, and which need the mask, is the layout's (`qkv.layout`); kept tiles are grouped into
 runs so that each product spans many tiles.
 
+A problem whose kept tiles differ per (batch element, kv head) — blocks chosen per kv head,
+`qkv.pairs.Pairs.kv_groups` — is run one such group at a time (`kv_parts`, `forward_parts`,
+`backward_parts`): a `Part` is a problem of its own (batch 1, its G query heads, one kv head)
+over its own kept tiles, whose dropout counter and modifier indices stay the whole problem's.
+
 Scores are rounded exactly as the reference rounds them (`(Q Kᵀ)·scale`); the forward's
 exponentials are `exp2((S − m)·log2 e)`, faster than `exp` on the CPU, with the conversion
 applied to the difference S − m, small where P matters.
@@ -32,7 +37,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -79,24 +85,32 @@ class Tiling:
 
 class TileProblem:
     """One attention problem as the forward and backward loops see it: the plan, its layout
-    for the tiling, and the index tensors its masks and modifiers are evaluated on."""
+    for the tiling, and the index tensors its masks and modifiers are evaluated on (those of
+    the whole problem when this is one `Part` of it: `origin`)."""
 
-    def __init__(self, plan: AttentionPlan, q: torch.Tensor, tiling: Tiling):
+    def __init__(
+        self,
+        plan: AttentionPlan,
+        q: torch.Tensor,
+        tiling: Tiling,
+        origin: tuple[int, int, int] | None = None,
+    ):
         self.plan = plan
         self.tiling = tiling
         self.cdt = plan.compute_dtype
         self.device = q.device
         self.bias5 = _heads5(plan.pairs.bias, plan)
+        # `origin` (b0, h0, H): this problem is batch elements b0 … and query heads h0 … of a
+        # problem of H heads (a `Part`); the indices below are the whole problem's.
+        b0, h0, heads = origin if origin is not None else (0, 0, plan.heads)
+        b = torch.arange(b0, b0 + plan.batch, device=q.device)
+        h = torch.arange(h0, h0 + plan.heads, device=q.device)
         # b * H + h with h = hkv * G + g, laid out as the 5-D score tile (dropout's counter).
-        self.bh5 = torch.arange(plan.batch * plan.heads, device=q.device).reshape(
-            plan.batch, plan.kv_heads, plan.groups, 1, 1
-        )
+        self.bh5 = (b.view(-1, 1) * heads + h).reshape(plan.batch, plan.kv_heads, plan.groups, 1, 1)
         # b (B, 1, 1, 1, 1) and h (1, Hkv, G, 1, 1), broadcast like the reference's, so that a
         # bias gathered by head is not repeated over the batch.
-        self.b5 = torch.arange(plan.batch, device=q.device).view(plan.batch, 1, 1, 1, 1)
-        self.h5 = torch.arange(plan.heads, device=q.device).view(
-            1, plan.kv_heads, plan.groups, 1, 1
-        )
+        self.b5 = b.view(plan.batch, 1, 1, 1, 1)
+        self.h5 = h.view(1, plan.kv_heads, plan.groups, 1, 1)
 
     def values(self, v: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
         """V's keys j0:j1 for rows i0:i1, with 0 in place of the keys a float bias excludes
@@ -469,3 +483,116 @@ def backward_loop(
     dk = dk.mul_(plan.scale)
     dparams = [g.to(t.dtype) for g, t in zip(dparams, params, strict=True)]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
+
+
+# ------------------------------------------------------------------ one kv group at a time
+
+
+@dataclass(frozen=True)
+class Part:
+    """Batch element `b` and kv head `g` of a problem whose kept tiles differ from one
+    (b, kv head) to the next (blocks chosen per kv head, `qkv.pairs.Pairs.kv_groups`), as a
+    problem of its own: `plan` has batch 1, the G query heads `heads` of the group, one kv head
+    and the group's `Pairs`, so its layout holds that group's kept tiles alone. Its indices
+    (dropout's b·H + h, a modifier's b and h) stay the whole problem's (`origin`)."""
+
+    plan: AttentionPlan
+    b: int  # batch element
+    g: int  # kv head
+    heads: slice  # its query heads
+    whole_heads: int  # H of the whole problem
+
+    @property
+    def origin(self) -> tuple[int, int, int]:
+        """`TileProblem`'s origin: (b, first query head, H)."""
+        return self.b, self.heads.start, self.whole_heads
+
+    def rows(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """The part's `(1, G, …)` view of a `(B, H, …)` tensor (None stays None)."""
+        return None if t is None else t[self.b : self.b + 1, self.heads]
+
+    def kv(self, t: torch.Tensor) -> torch.Tensor:
+        """The part's `(1, 1, …)` view of a `(B, Hkv, …)` tensor."""
+        return t[self.b : self.b + 1, self.g : self.g + 1]
+
+    def problem(self, q: torch.Tensor, tiling: Tiling) -> TileProblem:
+        """The part's `TileProblem` (q: the part's rows)."""
+        return TileProblem(self.plan, q, tiling, self.origin)
+
+
+def kv_parts(plan: AttentionPlan) -> list[Part] | None:
+    """The plan one (batch element, kv head) at a time, b-major, when its pairs are blocks
+    chosen per kv head (`Pairs.kv_groups`, which maps a choice made for fewer kv heads or a
+    smaller batch); None when one layout serves every head."""
+    found = plan.pairs.kv_groups(plan.batch, plan.kv_heads)
+    if found is None:
+        return None
+    G = plan.groups
+    return [
+        Part(
+            replace(plan, batch=1, heads=G, kv_heads=1, pairs=pairs),
+            b,
+            g,
+            slice(g * G, (g + 1) * G),
+            plan.heads,
+        )
+        for b, g, pairs in found
+    ]
+
+
+def forward_parts(
+    plan: AttentionPlan,
+    tiling: Tiling,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    loop: Callable[..., tuple] = forward_loop,
+) -> tuple[torch.Tensor, torch.Tensor, RowStats]:
+    """`forward_loop` (or `loop`, its caller's name for it) over a plan, one `Part` at a time
+    where `kv_parts` splits it (each over its own kept tiles, written into the whole results),
+    else at once."""
+    parts = kv_parts(plan)
+    if parts is None:
+        return loop(TileProblem(plan, q, tiling), q, k, v)
+    B, H, Nq = plan.batch, plan.heads, plan.q_len
+    out = q.new_empty(B, H, Nq, plan.v_dim)
+    lse = q.new_empty(B, H, Nq, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    hi, l = (q.new_empty(B, H, Nq, dtype=plan.compute_dtype) for _ in "hl")
+    for p in parts:
+        qp = p.rows(q)
+        o, s, stats = loop(p.problem(qp, tiling), qp, p.kv(k), p.kv(v))
+        for whole, part in ((out, o), (lse, s), (hi, stats.hi), (l, stats.l)):
+            whole[p.b, p.heads] = part[0]
+    return out, lse, RowStats(hi, None, l)
+
+
+def backward_parts(
+    plan: AttentionPlan,
+    tiling: Tiling,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stats: RowStats,
+    dout: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+    loop: Callable[..., tuple] = backward_loop,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`backward_loop` (or `loop`) of `forward_parts`'s result: one `Part` at a time where
+    `kv_parts` splits the plan (a modifier's parameter gradients summed over the parts), else
+    at once."""
+    parts = kv_parts(plan)
+    if parts is None:
+        return loop(TileProblem(plan, q, tiling), q, k, v, stats, dout, dlse)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    params = plan.score_mod.params if plan.score_mod is not None else ()
+    dparams = [torch.zeros_like(t, dtype=torch.float64) for t in params]  # summed in float64
+    for p in parts:
+        qp = p.rows(q)
+        rows = RowStats(p.rows(stats.hi), p.rows(stats.lo), p.rows(stats.l))
+        gq, gk, gv, gp = loop(
+            p.problem(qp, tiling), qp, p.kv(k), p.kv(v), rows, p.rows(dout), p.rows(dlse)
+        )
+        dq[p.b, p.heads], dk[p.b, p.g], dv[p.b, p.g] = gq[0], gk[0, 0], gv[0, 0]
+        for acc, g in zip(dparams, gp, strict=True):
+            acc.add_(g)
+    return dq, dk, dv, [g.to(t.dtype) for g, t in zip(dparams, params, strict=True)]

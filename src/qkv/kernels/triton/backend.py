@@ -19,7 +19,9 @@ What the kernels do, in one place:
   FULL tiles run with no mask arithmetic, PARTIAL tiles read one byte per pair from a *bank*
   that holds only the partial tiles' content, computed once on the host by the mask's rule
   (a Python rule cannot run inside a Triton kernel). Layouts of structured masks are cached
-  per Mask object;
+  per Mask object. Blocks chosen per batch element and kv head (`qkv.sparse.select_blocks`)
+  get lists per (b, h): each group's heads visit that group's own kept tiles, not the union
+  over every head (`host.group_layout`), in the same launch;
 - a float mask (bias) is read tile by tile with its broadcast strides;
 - score modifiers from `qkv.scores`: `alibi`, `softcap` and `relative_bias` (its table gets a
   gradient, by atomic adds), alone or composed;

@@ -1,5 +1,7 @@
 """The triton backend's host side: the score modifiers the kernels understand (`mod_spec`), the
-tile lists and mask bank they walk (`build_layout`, from the plan's `qkv.layout.BlockLayout`),
+tile lists and mask bank they walk (`build_layout`, from the plan's `qkv.layout.BlockLayout`;
+for blocks chosen per kv head, `group_layout`: each (batch element, kv head)'s heads walk that
+group's own kept tiles, in one launch),
 launch configurations, the launches (`Call`) and the `autograd.Function` that ties forward and
 backward together. Imported on the backend's first use, so `import qkv` stays light; the
 kernels themselves (`kernels.py`) import Triton.
@@ -24,6 +26,7 @@ from ...dropout import keep_scale
 from ...layout import BlockLayout, allowed, layout_for
 from ...numerics import once_differentiable, row_dot, two_float
 from ...plan import AttentionPlan
+from ..tiled.steps import Part, kv_parts
 from .runtime import interpreting
 
 BANK_CHUNK = 2048  # partial tiles evaluated per call of the mask rule (bounds host memory)
@@ -132,13 +135,14 @@ class Layout:
 
     block_m: int  # query rows per tile
     block_n: int  # keys per tile
-    tiles: BlockLayout  # the kept tiles (EMPTY ones are in no list)
+    tiles: BlockLayout | None  # the kept tiles (EMPTY ones are in no list); None: per group
     fwd: TileLists  # rows = query tiles
     bwd: TileLists  # rows = key tiles
     bank: torch.Tensor | None  # int8 (P, block_m, block_n): allowed pairs of partial tiles
-    lay_b: int  # 1 when the bank depends on the batch element, else 0
-    lay_h: int  # 1 when it depends on the head, else 0
+    lay_b: int  # 1 when the lists or bank depend on the batch element, else 0
+    lay_h: int  # 1 when they depend on the head, else 0
     heads: int  # Hl: heads the lists are laid out for (1 or H)
+    groups: tuple[BlockLayout, ...] = ()  # per (b, kv head), b-major, when each has its own
 
 
 def _lists(lay: BlockLayout, full: torch.Tensor, code: torch.Tensor, device) -> TileLists:
@@ -201,14 +205,24 @@ def _bank(
     return out.view(-1, bm, bn)
 
 
-def build_layout(plan: AttentionPlan, bm: int, bn: int, device: torch.device) -> Layout:
-    """The tile lists and bank of a plan for `bm × bn` tiles (see `Layout`)."""
-    lay = layout_for(plan.pairs, bm, bn)
-    nk = plan.kv_len
+def _full(lay: BlockLayout, nk: int, bn: int) -> torch.Tensor:
+    """Which kept tiles the kernels run as FULL: the layout's, but for the last key tile when
+    it runs past Nk (it needs the bounds check)."""
     nkb = lay.shape[1]
     full = lay.full.clone()
-    if nk % bn and nkb:  # the last key tile runs past Nk: it needs the bounds check
+    if nk % bn and nkb:
         full[lay.col == nkb - 1] = False
+    return full
+
+
+def build_layout(plan: AttentionPlan, bm: int, bn: int, device: torch.device) -> Layout:
+    """The tile lists and bank of a plan for `bm × bn` tiles (see `Layout`); per (batch
+    element, kv head) for blocks chosen per kv head (`group_layout`)."""
+    parts = kv_parts(plan)
+    if parts is not None:
+        return group_layout(plan, parts, bm, bn, device)
+    lay = layout_for(plan.pairs, bm, bn)
+    full = _full(lay, plan.kv_len, bn)
     rule, mask = plan.pairs.rule, plan.pairs.mask
     Bl = max(rule.batch or 1 if rule is not None else 1, mask.shape[0] if mask is not None else 1)
     Hl = max(rule.heads or 1 if rule is not None else 1, mask.shape[1] if mask is not None else 1)
@@ -234,13 +248,68 @@ def build_layout(plan: AttentionPlan, bm: int, bn: int, device: torch.device) ->
     )
 
 
+def group_layout(
+    plan: AttentionPlan, parts: list[Part], bm: int, bn: int, device: torch.device
+) -> Layout:
+    """Tile lists `(B, H, …)` in which the G query heads of each (batch element, kv head) walk
+    that group's own kept tiles (`Part.plan`'s layout), not the union over every head; the
+    group's partial tiles get their bank tiles once, shared by its heads. One launch runs every
+    group, with the whole problem's (b, h) (dropout's counter, a modifier's head)."""
+    layouts, fwd, bwd, banks = [], [], [], []
+    at = 0
+    for p in parts:
+        lay = layout_for(p.plan.pairs, bm, bn)
+        full = _full(lay, plan.kv_len, bn)
+        code = torch.full((1, 1, lay.nnz), -1, dtype=torch.int32)
+        partial = (~full).nonzero().view(-1)
+        if partial.numel():
+            code[0, 0, partial] = torch.arange(at, at + partial.numel(), dtype=torch.int32)
+            banks.append(_bank(p.plan, lay, partial, 1, 1, bm, bn, device))
+            at += partial.numel()
+        layouts.append(lay)
+        fwd.append(_lists(lay, full, code, torch.device("cpu")))
+        bwd.append(_lists(lay.transposed, full[lay.by_col], code[:, :, lay.by_col],
+                          torch.device("cpu")))  # fmt: skip
+    return Layout(
+        block_m=bm,
+        block_n=bn,
+        tiles=None,
+        fwd=_stack(fwd, plan, device),
+        bwd=_stack(bwd, plan, device),
+        bank=torch.cat(banks) if banks else None,
+        lay_b=1,
+        lay_h=1,
+        heads=plan.heads,
+        groups=tuple(layouts),
+    )
+
+
+def _stack(lists: list[TileLists], plan: AttentionPlan, device: torch.device) -> TileLists:
+    """The `(1, 1, R, C_i)` lists of each (b, kv head), b-major, as `(B, H, R, C)` lists:
+    padded to the longest row, each group's repeated over its G query heads."""
+    B, Hkv, G = plan.batch, plan.kv_heads, plan.groups
+    C = max(t.full_idx.shape[-1] for t in lists)
+
+    def join(name: str, pad: int) -> torch.Tensor:
+        parts = [getattr(t, name) for t in lists]
+        if parts[0].dim() == 4:  # (1, 1, R, C_i): pad the columns
+            parts = [torch.nn.functional.pad(x, (0, C - x.shape[-1]), value=pad) for x in parts]
+        x = torch.cat(parts).view(B, Hkv, 1, *parts[0].shape[2:])
+        return x.expand(B, Hkv, G, *x.shape[3:]).reshape(B, Hkv * G, *x.shape[3:])
+
+    return TileLists(
+        **{f: join(f, -1 if f == "part_code" else 0).contiguous().to(device)
+           for f in ("full_num", "full_idx", "part_num", "part_idx", "part_code")}
+    )  # fmt: skip
+
+
 def layout_for_device(plan: AttentionPlan, bm: int, bn: int, device: torch.device) -> Layout:
     """`build_layout`, from qkv's cache: per Mask object (held weakly) for structured masks, by
     shape for plain/causal problems; never for bool mask tensors (their content may change)."""
     if plan.pairs.mask is not None:
         return build_layout(plan, bm, bn, device)
     key = ("triton-layout", plan.q_len, plan.kv_len, bm, bn, plan.pairs.causal, str(device))
-    key += (plan.batch, plan.heads)
+    key += (plan.batch, plan.heads, plan.kv_heads)
     return CACHE.get(key, lambda: build_layout(plan, bm, bn, device), owner=plan.pairs.rule)
 
 
