@@ -137,6 +137,7 @@ __all__ = [
     "Report",
     "attention_forward",
     "make_mask",
+    "real_keys",
     "register",
     "routes_attention",
     "verify",
@@ -403,7 +404,7 @@ def _translate(
         )
         return call.dense(mu)
 
-    valid = _padding(attention_mask, kv_off, nk, compiling)
+    valid = real_keys(attention_mask, kv_off, nk, compiling)
     if valid is None:
         causal_shape = kind == "causal" or (kind == "full" and nq <= 1)
         if causal_shape and allow_is_causal_skip:
@@ -420,9 +421,13 @@ def _translate(
     return structure & masks.key_mask(valid)
 
 
-def _padding(attention_mask: torch.Tensor | None, kv_off: int, kv_length: int, compiling: bool):
-    """The real-key mask `(B, Nk)` of this call's keys, or None when there is no padding
-    (outside torch.compile, where it is read: an all-True mask is None too)."""
+def real_keys(
+    attention_mask: torch.Tensor | None, kv_off: int, kv_length: int, compiling: bool
+) -> torch.Tensor | None:
+    """The real-key mask `(B, Nk)` of this call's keys (keys `kv_off …` of transformers' 2-D
+    padding mask, True = a real token), or None when there is no padding. With `compiling`
+    the mask's values are not read, and an all-True mask is returned as it is; otherwise an
+    all-True mask is None too. (Public for `qkv.integrations.hf_sparse`.)"""
     if attention_mask is None:
         return None
     valid = attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
