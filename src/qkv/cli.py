@@ -3,7 +3,7 @@
 - `qkv explain`: the textbook walk-through on real numbers;
 - `qkv attend TEXT --token WORD`: where a word looks in the real all-MiniLM-L6-v2;
 - `qkv bench`: the cost curve, time and memory against N;
-- `qkv lab NAME`: one of the chapter's claims measured (`rnn`, `scale`, `routing`);
+- `qkv lab NAME`: one of the chapter's claims measured (`rnn`, `scale`, `routing`, `sparse`);
 - `qkv demo`: all of them, written to a folder with a report;
 - `qkv tokens --image WxH`: how many tokens an image costs (`qkv.vision.report`);
 - `qkv build`: compile the CPU attention kernel now (otherwise it is compiled at first use),
@@ -497,7 +497,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command("time and memory of attention against N", _bench_args, _bench),
     "lab": Command(
-        "the chapter's claims, measured: rnn, scale, routing",
+        "the chapter's claims, measured: rnn, scale, routing, sparse",
         lab_command.add_arguments,
         lab_command.run,
     ),

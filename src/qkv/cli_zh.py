@@ -37,7 +37,9 @@ HELP = {
         "一个词在真实模型 all-MiniLM-L6-v2（或你自己的模型）中把注意力放在哪里"
     ),
     "time and memory of attention against N": "注意力的时间和内存随序列长度 N 的变化",
-    "the chapter's claims, measured: rnn, scale, routing": "实测本章的论断：rnn、scale、routing",
+    "the chapter's claims, measured: rnn, scale, routing, sparse": (
+        "实测本章的论断：rnn、scale、routing、sparse"
+    ),
     "explain, attend, bench and the labs, in a folder": (
         "explain、attend、bench 和各个实验，结果写入一个文件夹"
     ),
@@ -94,7 +96,7 @@ HELP = {
     "write the log-log plot": "画出双对数坐标图",
     "no progress bar": "不显示进度条",
     # lab
-    "which lab: rnn, scale, routing": "哪个实验：rnn、scale、routing",
+    "which lab: rnn, scale, routing, sparse": "哪个实验：rnn、scale、routing、sparse",
     "the short run (default)": "短时运行（默认）",
     "the longer run, smoother curves": "较长的运行，曲线更平滑",
     "folder for the figure NAME.png": "存放图 NAME.png 的文件夹",
@@ -156,8 +158,8 @@ ERRORS: list[tuple[str, str]] = [
     # the commands' refusals
     (r"--head needs --layer", "--head 需要同时给出 --layer"),
     (
-        r"qkv lab needs a lab's name: (\S+), (\S+) or (\S+) \(e\.g\. (.+)\)",
-        "qkv lab 需要实验的名字：{0}、{1} 或 {2}（例如 {3}）",
+        r"qkv lab needs a lab's name: (\S+), (\S+), (\S+) or (\S+) \(e\.g\. (.+)\)",
+        "qkv lab 需要实验的名字：{0}、{1}、{2} 或 {3}（例如 {4}）",
     ),
     (r"unknown method (.+); choose from (.+)", "未知的方法 {0}；可选：{1}"),
     (r"nothing to tune: (.+)", "没有可调的内容：{0}"),

@@ -148,7 +148,7 @@ def test_bench_bad_input(argv, message):
 
 def tiny_labs(monkeypatch) -> None:
     """The labs' quick presets shrunk to seconds (the demo's wiring is what is tested)."""
-    from qkv.labs import rnn, routing, scale
+    from qkv.labs import rnn, routing, scale, sparse
 
     monkeypatch.setattr(
         rnn,
@@ -177,6 +177,23 @@ def tiny_labs(monkeypatch) -> None:
             length=8, width=8, layers=(1,), trials=1, route_length=8, steps=5, examples=3, samples=8
         ),
     )
+    monkeypatch.setattr(
+        sparse,
+        "QUICK",
+        sparse.Preset(
+            block=4,
+            topk=1,
+            d_model=8,
+            steps=3,
+            train_ns=(8,),
+            seeds=1,
+            ns=(8, 16),
+            samples=8,
+            time_batch=2,
+            repeats=1,
+            picture_n=16,
+        ),
+    )
 
 
 def test_demo_writes_its_report(minilm, tmp_path, monkeypatch):
@@ -193,7 +210,7 @@ def test_demo_writes_its_report(minilm, tmp_path, monkeypatch):
     assert "viewer.html" in page and "cost.png" in page and "explain.html" in page
     for title in ("Past O(N²)", "Visual tokens", "The next chapter: the Transformer block"):
         assert title in page
-    for name in ("rnn", "scale", "routing"):
+    for name in ("rnn", "scale", "routing", "sparse"):
         assert f"lab-{name}.png" in page and f"qkv lab {name}" in page
         doc = json.loads((index.parent / f"lab-{name}.json").read_text())
         assert doc["lab"] == name

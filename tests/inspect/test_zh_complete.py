@@ -538,6 +538,7 @@ def test_the_demos_sentences_are_chinese():
 
     zh = _demo_sentences("zh")
     names = ("Sparse Transformer", "qkv lab rnn", "qkv lab scale", "qkv lab routing")
+    names += ("qkv lab sparse",)
     names += ("the cat sat on the mat because it was tired",)  # the example, quoted
     assert_zh(zh, "the demo's sentences", names)
     assert "层 3 头 1（层和头都从 0 开始编号" in zh

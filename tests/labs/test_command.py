@@ -37,9 +37,14 @@ def test_bad_arguments_are_one_line_errors_with_exit_code_2(argv, message):
     [
         (
             "en",
-            "qkv lab: error: qkv lab needs a lab's name: rnn, scale or routing (e.g. qkv lab rnn)",
+            "qkv lab: error: qkv lab needs a lab's name: rnn, scale, routing or sparse (e.g. qkv "
+            "lab rnn)",
         ),
-        ("zh", "qkv lab: 错误：qkv lab 需要实验的名字：rnn、scale 或 routing（例如 qkv lab rnn）"),
+        (
+            "zh",
+            "qkv lab: 错误：qkv lab 需要实验的名字：rnn、scale、routing 或 sparse"
+            "（例如 qkv lab rnn）",
+        ),
     ],
 )
 def test_a_lab_without_a_name_lists_the_labs(lang, message):

@@ -8,10 +8,14 @@
 5. FlashAttention step by step (`qkv explain --flash`): the walk printed and `flash.html`;
 6. past O(N²): sparse patterns as pictures of kept tiles, FlashAttention's O(N) memory from the
    cost curve just measured (`qkv.inspect.chapter`);
-7. visual tokens: what 336², 672² and 1344² images cost for Qwen2-VL and LLaVA-NeXT;
-8.–10. the chapter's claims measured (`qkv lab rnn`, `scale`, `routing`, quick versions, or the
-   full ones with `labs="full"`): each lab's answer, its PNG and its JSON;
-11. the next chapter: a Transformer block on the same example, shape by shape.
+7. sparse attention chosen by the content (`qkv lab sparse`): at the same budget, a window
+   loses a far answer that the chosen blocks keep;
+8. visual tokens: what 336², 672² and 1344² images cost for Qwen2-VL and LLaVA-NeXT;
+9.–11. the chapter's claims measured (`qkv lab rnn`, `scale`, `routing`);
+12. the next chapter: a Transformer block on the same example, shape by shape.
+
+The labs (7, 9–11) run their quick versions, or the full ones with `labs="full"`: each lab's
+answer, its PNG and its JSON.
 
 Each part is a section function that writes its files and appends its piece of the report as
 soon as it is done; `index.html` in the folder links everything: a page to read, with a table
@@ -136,6 +140,7 @@ TEXT = {
         "lab_rnn": "RNN vs attention: parallelism and memory (qkv lab rnn)",
         "lab_scale": "Why divide by √d_k (qkv lab scale)",
         "lab_routing": "Attention as soft routing (qkv lab routing)",
+        "lab_sparse": "Sparse attention chosen by the content (qkv lab sparse)",
         "lab_intro": "Measured now, on this machine, by the same code as <code>{command}</code> "
         '(<a href="{json}">{json}</a>); each claim is checked by the rule its line states.',
         "block": "The next chapter: the Transformer block",
@@ -184,6 +189,7 @@ TEXT = {
         "lab_rnn": "RNN 与注意力：并行性和记忆（qkv lab rnn）",
         "lab_scale": "为什么要除以 √d_k（qkv lab scale）",
         "lab_routing": "注意力即软路由（qkv lab routing）",
+        "lab_sparse": "按内容选块的稀疏注意力（qkv lab sparse）",
         "lab_intro": "此刻在本机测得，与 <code>{command}</code> 运行的代码相同"
         '（<a href="{json}">{json}</a>）；每条论断按其所在行给出的规则判断。',
         "block": "下一章：Transformer 块",
@@ -479,7 +485,7 @@ _long_context = _text_section("long", lambda r: chapter.long_context(r.records, 
 _visual_tokens = _text_section("visual", lambda r: chapter.visual_tokens(r.lang))
 _block = _text_section("block", lambda r: chapter.transformer_block(lang=r.lang))
 
-LABS = ("rnn", "scale", "routing")
+LABS = ("rnn", "scale", "routing")  # the chapter's claims, after the visual tokens
 
 
 def _lab(name: str) -> Callable[[Report], None]:
@@ -513,6 +519,7 @@ SECTIONS: list[Callable[[Report], None]] = [
     _cost,
     _flash,
     _long_context,
+    _lab("sparse"),  # the fixed patterns above, then blocks chosen by the content
     _visual_tokens,
     *(_lab(name) for name in LABS),
     _block,

@@ -6,6 +6,8 @@
   gradient vanishes and training stalls;
 - `routing`: how far information travels per layer in a CNN, an LSTM and attention, and where
   a trained attention model reads from;
+- `sparse`: at the same budget of keys per query, a sliding window loses an answer far back
+  that blocks chosen by the content (`qkv.sparse.select_blocks`) keep;
 - `recall`: the synthetic recall task and the tiny models the labs train;
 - `figures`: their PNGs; `common`: progress bar, threads, languages; `command`: `qkv lab`.
 
@@ -14,4 +16,4 @@ Each lab module has `QUICK` and `FULL` presets, `run`, `summary` and `figure`; o
 imported here (matplotlib and tqdm inside the functions that draw and report progress).
 """
 
-LABS = ("rnn", "scale", "routing")
+LABS = ("rnn", "scale", "routing", "sparse")

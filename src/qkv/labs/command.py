@@ -3,6 +3,7 @@
     qkv lab rnn                      # quick (the default): about a minute on 2 cores
     qkv lab scale --full --lang zh   # the longer run, its answer in Chinese
     qkv lab routing --json -         # stdout: the JSON document alone (the answer on stderr)
+    qkv lab sparse --out figures     # the figure as figures/sparse.png
 
 Outputs (`--json`, `--out`) are checked before the lab runs.
 """

@@ -306,3 +306,125 @@ def routing(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
     ax.legend(fontsize=8, loc="lower right")
     fig.colorbar(image, ax=ax, label=t("weight"))
     return finish(fig, path, lang)
+
+
+SPARSE_TEXT = {
+    "en": {
+        "full": "full attention",
+        "window": "window, {keys} keys",
+        "selected": "selected blocks, {keys} keys",
+        "chance": "chance",
+        "reach": "window: in reach + chance",
+        "n": "sequence length N",
+        "accuracy": "test accuracy",
+        "acc_title": "the far answer, same budget",
+        "time": "forward+backward per step (ms)",
+        "time_title": "time per training step ({batch} sequences)",
+        "memory": "peak memory per step (MiB)",
+        "mem_title": "memory per training step",
+        "key_block": "key block ({block} positions each)",
+        "query_block": "query block (the question: the last)",
+        "chosen_title": "blocks the trained model chose, one sequence of N={n}",
+        "answer": "the answer's block",
+        "pairs": "the other pairs' blocks",
+        "reach_blocks": "the window's {keys} keys",
+    },
+    "zh": {
+        "full": "完整注意力",
+        "window": "滑动窗口，{keys} 个键",
+        "selected": "按内容选块，{keys} 个键",
+        "chance": "随机猜测",
+        "reach": "滑动窗口：在窗口内的比例 + 随机猜对",
+        "n": "序列长度 N",
+        "accuracy": "测试准确率",
+        "acc_title": "远处的答案，同样的预算",
+        "time": "每步前向+反向（毫秒）",
+        "time_title": "每个训练步的时间（{batch} 条序列）",
+        "memory": "每步的内存峰值（MiB）",
+        "mem_title": "每个训练步的内存",
+        "key_block": "键块（每块 {block} 个位置）",
+        "query_block": "查询块（最后一块是提问）",
+        "chosen_title": "训练好的模型在一条 N={n} 的序列上选的块",
+        "answer": "答案所在的块",
+        "pairs": "其他键值对所在的块",
+        "reach_blocks": "滑动窗口的 {keys} 个键",
+    },
+}
+SPARSE_COLORS = {"full": "C0", "window": "C3", "selected": "C2"}
+
+
+def sparse(doc: dict, path: str | Path | None = None, *, lang: str = "en"):
+    """Accuracy against N per variant (with chance, and what the window's reach alone gives),
+    time and peak memory of a training step against N, and the key blocks each query block
+    of the trained `selected` model chose on one sequence (the answer's block marked)."""
+    lang = figure_lang(lang)
+    t = labels(SPARSE_TEXT, lang)
+    fig = new_figure(20.0, 4.4)
+    acc, tim, mem, pic = fig.subplots(1, 4, width_ratios=(1, 1, 1, 1.15))
+    keys = doc["budget"]["keys"]
+    variants = list(SPARSE_COLORS)
+    rows = doc["accuracy"]
+    ns = [r["n"] for r in rows]
+    chance = doc["task"]["chance"]
+    for v in variants:
+        acc.plot(ns, [r[v] for r in rows], "o-", color=SPARSE_COLORS[v], label=t(v, keys=keys))
+    reach = [r["in_reach"] + (1 - r["in_reach"]) * chance for r in rows]
+    acc.plot(ns, reach, ":", color=SPARSE_COLORS["window"], alpha=0.6, label=t("reach"))
+    acc.axhline(chance, color="gray", linestyle="--", label=t("chance"))
+    acc.set_xscale("log", base=2)
+    acc.set_ylim(0, 1.05)
+    acc.set_xlabel(t("n"))
+    acc.set_ylabel(t("accuracy"))
+    acc.set_title(t("acc_title"))
+    acc.legend(fontsize=8)
+    for ax, key, log in ((tim, "ms", True), (mem, "peak_mib", False)):
+        for v in variants:
+            pts = [
+                (c["n"], c[key]) for c in doc["cost"] if c["variant"] == v and c[key] is not None
+            ]
+            if pts:
+                ax.plot(
+                    *zip(*pts, strict=True), "o-", color=SPARSE_COLORS[v], label=t(v, keys=keys)
+                )
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel(t("n"))
+        ax.legend(fontsize=8)
+    batch = doc["preset"]["time_batch"]
+    tim.set_ylabel(t("time"))
+    tim.set_title(t("time_title", batch=batch))
+    mem.set_ylabel(t("memory"))
+    mem.set_title(t("mem_title"))
+    for ax in (acc, tim, mem):
+        ax.grid(True, which="both", alpha=0.3)
+    _chosen(pic, doc["picture"], t)
+    return finish(fig, path, lang)
+
+
+def _chosen(ax, p: dict, t) -> None:
+    """Query blocks (rows) against key blocks (columns): chosen dark, not chosen white, after
+    the query block (never readable) grey; on the question's row, the answer's block, the other
+    pairs' and the window's reach."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Rectangle
+
+    nb = p["n"] // p["block"]
+    image = np.ones((nb, nb, 3))
+    image[np.triu_indices(nb, 1)] = 0.88  # blocks after the query block
+    for r, picks in enumerate(p["chosen"]):
+        image[r, picks] = to_rgb(SPARSE_COLORS["selected"])
+    ax.imshow(image, interpolation="nearest", aspect="auto")
+    q, reach = p["question_block"], p["window_blocks"]
+    window = Rectangle((q - reach + 0.5, q - 0.5), reach, 1, fill=False, ec="C3", ls="--", lw=1.5)
+    ax.add_patch(window)
+    window.set_label(t("reach_blocks", keys=reach * p["block"]))
+    others = [j for j in p["pair_blocks"] if j != p["answer_block"]]
+    ax.plot(others, [q] * len(others), "^", mfc="none", mec="C1", ms=8, mew=1.5, label=t("pairs"))
+    ax.plot([p["answer_block"]], [q], "s", mfc="none", mec="red", ms=10, mew=2, label=t("answer"))
+    ax.set_ylim(nb - 0.3, -0.5)  # room for the markers on the last row
+    ax.set_xlabel(t("key_block", block=p["block"]))
+    ax.set_ylabel(t("query_block"))
+    ax.set_title(t("chosen_title", n=p["n"]))
+    ax.legend(fontsize=8, loc="upper right")
