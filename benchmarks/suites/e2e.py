@@ -465,22 +465,27 @@ def prefilled(c: Decode, layers: int):
     return cache
 
 
+def greedy_from(m: nn.Module, cache: Any, new: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`run(ids)`: `new` greedy tokens after `ids`, continuing from a copy of `cache`."""
+
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        return m.generate(
+            ids,
+            cache=copy.deepcopy(cache),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+    return run
+
+
 def decode_impl(name: str, one: bool = False) -> Impl:
     def make(c: Decode):
         m = hf_model("dense", SETTINGS.layers, name)
         cache = prefilled(c, SETTINGS.layers)
-        new = 1 if one else c.new_tokens
-
-        def run(ids: torch.Tensor) -> torch.Tensor:
-            return m.generate(
-                ids,
-                cache=copy.deepcopy(cache),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-
+        run = greedy_from(m, cache, 1 if one else c.new_tokens)
         return hf_call("decode", c, name + ONE if one else name, m, run)
 
     return Impl(name + ONE if one else name, make, passes=(FWD,))

@@ -25,12 +25,9 @@ shape: prefill and decoding with "qkv_sparse" against "qkv" (dense) and "sdpa".
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.util
 import warnings
-
-import torch
 
 from .. import report as rp
 from ..results import Results
@@ -128,19 +125,7 @@ def decode_impl(name: str, one: bool = False) -> Impl:
     def make(c: Decode):
         m = e2e.hf_model("dense", SETTINGS.layers, name)
         cache = e2e.prefilled(decode_case(c), SETTINGS.layers)
-        new = 1 if one else c.new_tokens
-
-        def run(ids: torch.Tensor) -> torch.Tensor:
-            return m.generate(
-                ids,
-                cache=copy.deepcopy(cache),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-
-        return run
+        return e2e.greedy_from(m, cache, 1 if one else c.new_tokens)
 
     return Impl(name + e2e.ONE if one else name, make, passes=(FWD,))
 

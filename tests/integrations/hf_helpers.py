@@ -142,21 +142,29 @@ def generate_fn(inputs: dict, n_new: int, **kw) -> Callable:
     return fn
 
 
-def tiny_llama():
-    """A 2-layer Llama with grouped heads (6 on 2), random weights, built by `build`."""
+def tiny_config(cls: str = "Llama", **kw):
+    """A 2-layer config of transformers' `{cls}Config` with grouped heads (6 on 2), vocabulary
+    97, width 96; `kw` overrides any of it."""
     import transformers
 
-    config = transformers.LlamaConfig(
+    base = dict(
         vocab_size=97,
         hidden_size=96,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=6,
-        num_key_value_heads=2,
+        num_key_value_heads=2,  # GQA: 3 query heads per key/value head
         max_position_embeddings=128,
         pad_token_id=0,
     )
-    return build(transformers.LlamaForCausalLM, config)
+    return getattr(transformers, f"{cls}Config")(**{**base, **kw})
+
+
+def tiny_llama():
+    """A 2-layer Llama with grouped heads (6 on 2), random weights, built by `build`."""
+    import transformers
+
+    return build(transformers.LlamaForCausalLM, tiny_config())
 
 
 def tiny_mistral(window: int):

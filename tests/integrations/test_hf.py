@@ -28,23 +28,17 @@ from qkv import masks  # noqa: E402
 from qkv.integrations import hf  # noqa: E402
 
 from ..helpers import assert_error_ratio, cpu_kernel_or  # noqa: E402
-from .hf_helpers import Spy, build, generate_fn, judge, padded_ids, run  # noqa: E402
+from .hf_helpers import (  # noqa: E402
+    Spy,
+    build,
+    generate_fn,
+    judge,
+    padded_ids,
+    run,
+    tiny_config,
+)
 
 hf.register()
-
-
-def _llama_config(**kw):
-    base = dict(
-        vocab_size=97,
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,  # GQA: 3 query heads per key/value head
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    return transformers.LlamaConfig(**{**base, **kw})
 
 
 def _mistral_config(window=6, **kw):
@@ -258,7 +252,7 @@ def test_bert_padded_batch_gets_a_padding_only_mask(monkeypatch):
 @pytest.mark.parametrize("cls", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
 def test_decoder_gqa_rope_padded_forward(cls, monkeypatch):
     config_cls = transformers.LlamaConfig if cls.startswith("Llama") else transformers.Qwen2Config
-    config = config_cls(**_llama_config().to_dict())
+    config = config_cls(**tiny_config().to_dict())
     model = build(getattr(transformers, cls), config)
     ids, am = padded_ids(97, [20, 13], 20, side="left")
     real = am.bool()
@@ -270,7 +264,7 @@ def test_decoder_gqa_rope_padded_forward(cls, monkeypatch):
 
 
 def test_decoder_without_padding_runs_causal_flag(monkeypatch):
-    model = build(transformers.LlamaForCausalLM, _llama_config())
+    model = build(transformers.LlamaForCausalLM, tiny_config())
     ids = torch.randint(3, 97, (1, 17), generator=torch.Generator().manual_seed(3))
     judge(model, lambda m: m(ids).logits)
     spy = Spy(monkeypatch)
@@ -280,7 +274,7 @@ def test_decoder_without_padding_runs_causal_flag(monkeypatch):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_decoder_generate_with_kv_cache_matches_eager(cache):
-    model = build(transformers.LlamaForCausalLM, _llama_config())
+    model = build(transformers.LlamaForCausalLM, tiny_config())
     ids, am = padded_ids(97, [12, 7], 12, side="left")
     kw = {"cache_implementation": "static"} if cache == "static" else {}
     fn = generate_fn(dict(input_ids=ids, attention_mask=am), 8, **kw)
@@ -342,7 +336,7 @@ def test_sliding_window_generate_with_window_cache():
 def test_qwen2_mixed_full_and_sliding_layers(monkeypatch):
     config = transformers.Qwen2Config(
         **{
-            **_llama_config().to_dict(),
+            **tiny_config().to_dict(),
             "num_hidden_layers": 4,
             "use_sliding_window": True,
             "sliding_window": 5,
@@ -453,7 +447,7 @@ def test_minilm_attention_weights_match_eager(minilm):
 
 
 def test_output_attentions_returns_weights(monkeypatch):
-    model = build(transformers.LlamaForCausalLM, _llama_config())
+    model = build(transformers.LlamaForCausalLM, tiny_config())
     ids, am = padded_ids(97, [15, 10], 15, side="left")
     real = am.bool()
 
@@ -472,7 +466,7 @@ def test_output_attentions_returns_weights(monkeypatch):
 
 
 def test_training_dropout_runs_and_eval_is_deterministic(monkeypatch):
-    model = build(transformers.LlamaForCausalLM, _llama_config(attention_dropout=0.3))
+    model = build(transformers.LlamaForCausalLM, tiny_config(attention_dropout=0.3))
     model.set_attn_implementation("qkv")
     ids, am = padded_ids(97, [16, 16], 16)
     spy = Spy(monkeypatch)
@@ -494,7 +488,7 @@ def test_training_dropout_runs_and_eval_is_deterministic(monkeypatch):
 
 
 def test_config_attn_implementation_selects_qkv(monkeypatch):
-    config = _llama_config()
+    config = tiny_config()
     config._attn_implementation = "qkv"
     model = build(transformers.LlamaForCausalLM, config)
     assert model.config._attn_implementation == "qkv"

@@ -37,6 +37,7 @@ from .hf_helpers import (  # noqa: E402
     generate_fn,
     padded_ids,
     run,
+    tiny_config,
 )
 
 BLOCK = 8
@@ -50,22 +51,8 @@ hf_sparse.register()  # the defaults, as "qkv_sparse"
 N_PROMPT, N_NEW = 61, 4  # 8 key blocks of 8 at the prompt, 9 after the last new token
 
 
-def _config(cls: str = "Llama", **kw):
-    base = dict(
-        vocab_size=97,
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,  # GQA: 3 query heads per key/value head
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    return getattr(transformers, f"{cls}Config")(**{**base, **kw})
-
-
 def _model(cls: str = "Llama", **kw):
-    return build(getattr(transformers, f"{cls}ForCausalLM"), _config(cls, **kw))
+    return build(getattr(transformers, f"{cls}ForCausalLM"), tiny_config(cls, **kw))
 
 
 def _ids(n: int, b: int = 1, seed: int = 3) -> torch.Tensor:
