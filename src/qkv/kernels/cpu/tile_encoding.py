@@ -279,9 +279,9 @@ def _chosen_tiles(pairs: Pairs, choice: torch.Tensor, block_q: int) -> _Chosen |
 
 def chosen_forward(pairs: Pairs, choice: torch.Tensor, block_q: int) -> CpuLayout | None:
     """The forward arrays of every (b, kv head) of a choice at once (`_chosen_tiles`), their
-    row pointers back to back (the kernel reads one CSR per (b, kv head)): tens of
-    microseconds for a decoding step, a few milliseconds at 65,536 tokens. None where the
-    blocks are not whole tiles (`joined` then joins each group's `kernel_layout`)."""
+    row pointers back to back (the kernel reads one CSR per (b, kv head)), in a fixed number of
+    tensor operations whatever the group count. None where the blocks are not whole tiles
+    (`joined` then joins each group's `kernel_layout`)."""
     t = _chosen_tiles(pairs, choice, block_q)
     if t is None:
         return None
