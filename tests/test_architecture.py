@@ -17,8 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "qkv"
 LAYERS = {
     "cache": 0, "numerics": 0, "dropout": 0, "layout": 0, "masks": 0, "scores": 0, "plan": 0,
     "pairs": 0,
-    "limits": 0, "sparse": 0,
-    "reference": 1, "kernels": 1,
+    "limits": 0,
+    "reference": 1, "kernels": 1, "sparse": 1,
     "dispatch": 2, "functional": 2, "varlen": 2, "tune": 2,
     "nn": 3,
     "distributed": 4, "integrations": 4, "inspect": 4, "labs": 4, "vision": 4, "examples": 4,

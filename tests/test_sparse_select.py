@@ -71,8 +71,21 @@ CHOICES = [
 ]
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def choice_path(request, monkeypatch):
+    """The choice from the scores by the compiled kernel's `choose_blocks`, or by its torch
+    twin (any device, or no compiler)."""
+    if request.param == "kernel":
+        if cpu_kernel_or("x") != "cpu":
+            pytest.skip("no compiled CPU kernel")
+        cpu_op.load()
+    else:
+        monkeypatch.setattr(qkv.sparse, "loaded", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CHOICES)
-def test_the_choice_is_the_pooled_scores_top_blocks(case):
+def test_the_choice_is_the_pooled_scores_top_blocks(case, choice_path):
     B, H, hkv, Nq, Nk, block, topk, threshold, causal, local, sink = case
     q, k, _ = make_qkv(B=B, H=H, Hkv=hkv, Nq=Nq, Nk=Nk, D=16, seed=3)
     chosen = select_blocks(q, k, block=block, topk=topk, threshold=threshold, causal=causal,
@@ -87,7 +100,7 @@ def test_the_choice_is_the_pooled_scores_top_blocks(case):
     assert chosen.counts().max() == chosen.index.shape[-1]
 
 
-def test_a_causal_choice_never_reads_the_future_and_keeps_its_own_block():
+def test_a_causal_choice_never_reads_the_future_and_keeps_its_own_block(choice_path):
     q, k, _ = make_qkv(B=1, H=2, Nq=512, D=8, seed=1)
     chosen = select_blocks(q, k, block=32, topk=4, sink=1)
     for r in range(16):

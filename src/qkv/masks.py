@@ -1219,7 +1219,8 @@ class ChosenBlocks(Mask):
             raise ValueError(f"heads={heads} is not a multiple of the index's {hkv} kv heads")
         nks = -(-kv_len // block)
         index = index.detach().to("cpu", torch.long).contiguous()
-        if not one_group and index.numel() and (int(index.max()) >= nks or int(index.min()) < -1):
+        low, high = index.aminmax() if index.numel() else (-1, -1)
+        if not one_group and (int(high) >= nks or int(low) < -1):
             raise ValueError(f"index holds a key block outside [-1, {nks})")
         self.index = index
         self.block = block

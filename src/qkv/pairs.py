@@ -174,6 +174,8 @@ class Pairs:
         nb, ng = rule.index.shape[:2]
         if kv_heads % ng or batch % nb:
             return None
+        if (nb, ng) == (batch, kv_heads):
+            return rule.index
         return rule.index.repeat_interleave(kv_heads // ng, 1).repeat(batch // nb, 1, 1, 1)
 
     def kv_groups(self, batch: int, kv_heads: int) -> list[tuple[int, int, Pairs]] | None:

@@ -12,8 +12,9 @@ The choice itself is not differentiated (as in MoBA): gradients flow through the
 the chosen blocks. Kernels (compiled CPU, tiled, Triton) run each (batch element, kv head) over
 its own kept tiles, so a block one head chose costs no other head a tile.
 
-Decoding (Quest): pass the cache's pooled keys (`qkv.nn.KVCache.pooled_keys(block)`, kept as
-tokens arrive) as `pooled_k`, and a step scores the cache's blocks without re-reading its keys.
+Decoding (Quest): pass the cache's pooled keys (`qkv.nn.KVCache(pool_block=...).pooled_keys()`,
+kept as tokens arrive) as `pooled_k`, and a step scores the cache's blocks without re-reading its
+keys.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import causal_bounds
+from .kernels.cpu.build import loaded
 from .masks import ChosenBlocks
 
 SCORE_CHUNK = 1 << 22  # pooled scores held at once (floats): 16 MB
@@ -38,6 +39,8 @@ def _block_means(x: torch.Tensor, groups: int, block: int) -> torch.Tensor:
     chunk of blocks at a time (never a float32 copy of all of x)."""
     B, H, N, D = x.shape
     h = H // groups
+    if 0 < N <= block:  # one block (a decoding step's queries): a mean over rows and heads
+        return x.detach().float().reshape(B, h, groups * N, D).mean(2, keepdim=True)
     nb = -(-N // block)
     out = torch.empty(B, h, nb, D, dtype=torch.float32, device=x.device)
     step = max(1, POOL_CHUNK // max(1, B * H * block * D))
@@ -50,7 +53,7 @@ def _block_means(x: torch.Tensor, groups: int, block: int) -> torch.Tensor:
         out[:, :, c0 : c0 + n // block] = part[:, :, :full].reshape(B, h, -1, block, D).sum(3)
         if full < n:  # the last, shorter block
             out[:, :, c1 - 1] = part[:, :, full:].sum(2)
-    counts = torch.full((nb,), float(block * groups), device=x.device)
+    counts = torch.full((nb,), float(block * groups), dtype=torch.float32, device=x.device)
     if nb:
         counts[-1] = (N - (nb - 1) * block) * groups
     return out / counts.view(1, 1, nb, 1)
@@ -129,8 +132,9 @@ def select_blocks(
             for r in range(0, nqs, rows)
         ]
     width = max(p.shape[-1] for p in parts)
-    index = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=-1)
-                       for p in parts], dim=2)  # fmt: skip
+    index = parts[0] if len(parts) == 1 else torch.cat(
+        [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts], dim=2
+    )  # fmt: skip
     how = f"topk={topk}" if threshold is None else f"threshold={threshold}, topk={topk}"
     return ChosenBlocks(
         index.cpu(), block, heads=H, q_len=Nq, kv_len=Nk, causal=causal,
@@ -140,25 +144,39 @@ def select_blocks(
 
 def _choose(qp, kp, r0, block, Nq, Nk, topk, threshold, causal, local, sink) -> torch.Tensor:
     """The chosen key blocks of query blocks r0 … r0 + qp.shape[2] − 1: int64 `(B, Hkv, rows,
-    width)`, ascending, −1 past each row's count."""
+    width)`, ascending, −1 past each row's count. On the CPU with the compiled kernel loaded,
+    the choice from the (float32) scores is one call (`choose_blocks`, csrc/chosen_blocks.cpp): a
+    decoding step pays no dozen small torch calls for it."""
     B, hkv, rows, D = qp.shape
     nks = kp.shape[2]
-    dev = qp.device
-    r = torch.arange(r0, r0 + rows, device=dev)
-    last = torch.clamp((r + 1) * block, max=max(Nq, 1)) - 1 + (Nk - Nq)  # last position
-    first = r * block + (Nk - Nq)
+    # each query block's last position; the block holding it (its own) and the last it may
+    # read: some key at or before that position (causal), every block (not)
+    last = [min((r + 1) * block, max(Nq, 1)) - 1 + (Nk - Nq) for r in range(r0, r0 + rows)]
+    own = [min(x // block, nks - 1) for x in last]
+    reach = own if causal else [nks - 1] * rows
+    scores, scale = torch.matmul(qp, kp.transpose(-1, -2)), 1 / math.sqrt(max(D, 1))
+    ops = loaded() if scores.device.type == "cpu" and scores.dtype == torch.float32 else None
+    if ops is not None:
+        cap, share = -1 if topk is None else topk, 0.0 if threshold is None else threshold
+        index = ops.choose_blocks(scores.flatten(0, 1), own, reach, cap, share, scale, local, sink)
+        return index.view(B, hkv, rows, -1)
+    return _choose_torch(scores * scale, own, reach, topk, threshold, local, sink)
+
+
+def _choose_torch(scores, own, reach, topk, threshold, local, sink) -> torch.Tensor:
+    """`_choose` from the scaled scores in torch operations, on any device (`choose_blocks`'s
+    twin, tested equal)."""
+    B, hkv, rows, nks = scores.shape
+    dev = scores.device
+    own_t = torch.tensor(own, device=dev)[:, None]
+    reach_t = torch.tensor(reach, device=dev)[:, None]
     j = torch.arange(nks, device=dev)
-    # which key blocks a query block may read at all (causal: some key at or before its last
-    # position), and which it always reads: its `local` nearest, the `sink` first
-    if causal:
-        visible, _ = causal_bounds(first[:, None], last[:, None], j * block, j * block)
-    else:
-        visible = torch.ones(rows, nks, dtype=torch.bool, device=dev)
-    own = torch.clamp(last // block, max=nks - 1)
-    near = own[:, None] - torch.arange(local, device=dev)  # (rows, local): own block and before
+    visible = j <= reach_t
+    # the blocks each query block always reads: its `local` nearest, the `sink` first
+    near = own_t - torch.arange(local, device=dev)  # (rows, local): own block and before
     first_ones = torch.arange(min(sink, nks), device=dev).expand(rows, -1)
     fixed = torch.cat([near, first_ones], 1)
-    fixed = torch.where((fixed >= 0) & visible.gather(1, fixed.clamp(min=0)), fixed, nks)
+    fixed = torch.where((fixed >= 0) & (fixed <= reach_t), fixed, nks)
     fixed = fixed.sort(-1).values
     dup = torch.zeros_like(fixed, dtype=torch.bool)
     dup[:, 1:] = fixed[:, 1:] == fixed[:, :-1]
@@ -166,7 +184,6 @@ def _choose(qp, kp, r0, block, Nq, Nk, topk, threshold, causal, local, sink) -> 
     forced = torch.zeros(rows, nks + 1, dtype=torch.bool, device=dev)
     forced.scatter_(1, fixed, True)
     forced = forced[:, :nks]
-    scores = torch.matmul(qp, kp.transpose(-1, -2)) / math.sqrt(max(D, 1))
     scores = scores.masked_fill(~visible, -math.inf)
     free = scores.masked_fill(forced, -math.inf)
     n_free = int((visible & ~forced).sum(1).max()) if rows else 0

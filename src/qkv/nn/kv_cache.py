@@ -13,10 +13,11 @@ class KVCache:
         window: keep only the last `window` positions, in a ring buffer of `window` slots (then
             `max_len` is not used and the sequence may grow without bound). Without a window,
             appending past `max_len` is an error.
-        pool_block: also keep each block of `pool_block` positions' key sum (float32), updated
-            as tokens arrive, so that `pooled_keys()` (the blocks' mean keys, what
-            `qkv.sparse.select_blocks` scores a decoding query against: Quest-style decoding)
-            costs no pass over the cache. Not with a window.
+        pool_block: also keep each block of `pool_block` positions' key sum and mean key
+            (float32), updated as tokens arrive (only the blocks the new positions touch), so
+            that `pooled_keys()` (the blocks' mean keys, what `qkv.sparse.select_blocks` scores
+            a decoding query against: Quest-style decoding) costs no pass over the cache and no
+            copy. Not with a window.
 
     `update(k, v)` appends the new positions and returns the keys/values to attend to, oldest
     first: everything cached (no window), or the last `window − 1` cached positions followed by
@@ -62,9 +63,9 @@ class KVCache:
             raise ValueError("pool_block keeps blocks of the whole sequence; not with a window")
         self.pool_block = pool_block
         blocks = -(-max_len // pool_block) if pool_block else 0
-        self.key_sums = torch.zeros(
-            (batch_size, n_kv_heads, blocks, head_dim), dtype=torch.float32, device=device
-        )
+        pooled = (batch_size, n_kv_heads, blocks, head_dim)
+        self.key_sums = torch.zeros(pooled, dtype=torch.float32, device=device)
+        self.key_means = torch.zeros(pooled, dtype=torch.float32, device=device)
 
     def __repr__(self) -> str:
         b, h, slots, d = self.keys.shape
@@ -77,18 +78,26 @@ class KVCache:
         """Forget every position (the storage is kept)."""
         self.length = 0
         self.key_sums.zero_()
+        self.key_means.zero_()
 
     def pooled_keys(self) -> torch.Tensor:
         """float32 `(B, Hkv, ceil(length / pool_block), head_dim)`: the mean key of each block
-        of cached positions (the last block's over the positions it holds so far)."""
+        of cached positions (the last block's over the positions it holds so far). A view of
+        the cache's storage: the next `update` changes the blocks it touches."""
         if self.pool_block is None:
             raise ValueError("this KVCache keeps no pooled keys: build it with pool_block=")
-        block, n = self.pool_block, self.length
-        nb = -(-n // block)
-        counts = torch.full((nb, 1), float(block), device=self.key_sums.device)
-        if nb:
-            counts[-1] = n - (nb - 1) * block
-        return self.key_sums[:, :, :nb] / counts
+        return self.key_means[:, :, : -(-self.length // self.pool_block)]
+
+    def _pool(self, k: torch.Tensor, start: int) -> None:
+        """Add `k`'s keys (positions `start …`) to their blocks' sums; renew those blocks'
+        means."""
+        block, n = self.pool_block, k.shape[2]
+        blocks = torch.arange(start, start + n, device=k.device) // block
+        self.key_sums.index_add_(2, blocks, k.detach().float())
+        b0, b1 = start // block, (start + n - 1) // block + 1
+        counts = torch.full((b1 - b0, 1), float(block), dtype=torch.float32, device=k.device)
+        counts[-1] = start + n - (b1 - 1) * block  # the last block holds what has arrived
+        self.key_means[:, :, b0:b1] = self.key_sums[:, :, b0:b1] / counts
 
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         b, h, _, d = self.keys.shape
@@ -113,9 +122,8 @@ class KVCache:
                 )
             self.keys[:, :, start : start + n] = k
             self.values[:, :, start : start + n] = v
-            if self.pool_block is not None:
-                blocks = torch.arange(start, start + n, device=k.device) // self.pool_block
-                self.key_sums.index_add_(2, blocks, k.detach().float())
+            if self.pool_block is not None and n:
+                self._pool(k, start)
             self.length += n
             return self.keys[:, :, : start + n], self.values[:, :, : start + n], 0
         slots = self.keys.shape[2]

@@ -44,6 +44,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (
     "ops.cpp",
     "tile_layout.cpp",
+    "chosen_blocks.cpp",
     "peak.cpp",
     "isa_amx.cpp",
     "isa_avx512bf16.cpp",
@@ -55,6 +56,7 @@ HEADERS = (
     "interrupt.h",
     "placement.h",
     "problem.h",
+    "tile_bits.h",
     "results.h",
     "isa_unit.h",
     "isa_contract.h",

@@ -46,7 +46,6 @@ from ...cache import CACHE
 from ...layout import (
     BlockLayout,
     allowed,
-    causal_bounds,
     layout_for,
     row_intervals,
     segment_tiles,
@@ -230,70 +229,31 @@ def interval_layout(pairs: Pairs, block_q: int) -> CpuLayout | None:
     return CpuLayout(block_q, pairs.q_len, pairs.kv_len, *arrays)
 
 
-@dataclass(frozen=True)
-class _Chosen:
-    """The kept tiles of every (b, kv head) of a choice, group-major then by query tile:
-    group, query tile, key tile and FULL of each; the PARTIAL ones' bits in that order."""
-
-    groups: int
-    nqb: int
-    nkb: int
-    group: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
-    full: torch.Tensor
-    bits: torch.Tensor
-
-
-def _chosen_tiles(pairs: Pairs, choice: torch.Tensor, block_q: int) -> _Chosen | None:
-    """Read straight from the block lists `choice` (`Pairs.kv_choice`) when the blocks are
+def _chosen_arrays(pairs: Pairs, choice: torch.Tensor, block_q: int) -> list[torch.Tensor] | None:
+    """Every (b, kv head)'s arrays of a choice (`Pairs.kv_choice`), read straight from its
+    block lists by the kernel's `chosen_layout` (csrc/chosen_blocks.cpp) when the blocks are
     whole key tiles and hold whole query tiles (block a multiple of 64 and of block_q): each
-    chosen block's tiles, FULL, except the causal diagonal's PARTIAL ones, whose bits come from
-    the causal problem's own cached layout. None otherwise."""
+    chosen block's tiles FULL, the causal diagonal's PARTIAL. None otherwise."""
     rule, nq, nk = pairs.rule, pairs.q_len, pairs.kv_len
-    block = rule.block
-    if block % BLOCK_K or block % block_q or nq == 0 or nk == 0:
+    if rule.block % BLOCK_K or rule.block % block_q or nq == 0 or nk == 0:
         return None
-    nqb, nkb, per = -(-nq // block_q), -(-nk // BLOCK_K), block // BLOCK_K
-    first_row = torch.arange(nqb) * block_q
-    picks = choice.flatten(0, 1)[:, first_row // block]  # (groups, nqb, kmax)
-    if per == 1:  # blocks of one tile
-        tiles, keep = picks, picks >= 0
-    else:
-        tiles = (picks[..., None] * per + torch.arange(per)).flatten(2)  # (groups, nqb, kmax·per)
-        keep = (picks >= 0).repeat_interleave(per, 2) & (tiles < nkb)
-    full = torch.ones_like(keep)
-    if rule.causal or pairs.causal:
-        lo = (first_row + (nk - nq))[:, None]  # the tile's first and last query positions
-        hi = (torch.clamp(first_row + block_q, max=nq) - 1 + (nk - nq))[:, None]
-        k_hi = torch.clamp((tiles + 1) * BLOCK_K, max=nk) - 1
-        some, full = causal_bounds(lo, hi, tiles * BLOCK_K, k_hi)
-        keep &= some
-    n_groups = picks.shape[0]
-    group = torch.arange(n_groups).view(-1, 1, 1).expand(keep.shape)[keep]
-    rows = torch.arange(nqb).view(1, -1, 1).expand(keep.shape)[keep]
-    cols, full = tiles[keep], full[keep]
-    bits = _causal_bits(nq, nk, block_q, rows[~full], cols[~full])
-    return _Chosen(n_groups, nqb, nkb, group, rows, cols, full, bits)
+    ops = loaded()
+    assert ops is not None, "the cpu kernel's ops run with the kernel loaded"
+    causal = rule.causal or pairs.causal
+    return ops.chosen_layout(choice.flatten(0, 1), rule.block, nq, nk, block_q, causal)
 
 
 def chosen_forward(pairs: Pairs, choice: torch.Tensor, block_q: int) -> CpuLayout | None:
-    """The forward arrays of every (b, kv head) of a choice at once (`_chosen_tiles`), their
-    row pointers back to back (the kernel reads one CSR per (b, kv head)), in a fixed number of
-    tensor operations whatever the group count. None where the blocks are not whole tiles
-    (`joined` then joins each group's `kernel_layout`)."""
-    t = _chosen_tiles(pairs, choice, block_q)
-    if t is None:
+    """The forward arrays of every (b, kv head) of a choice at once (`_chosen_arrays`), their
+    row pointers back to back (the kernel reads one CSR per (b, kv head)). None where the
+    blocks are not whole tiles (`joined` then joins each group's `kernel_layout`)."""
+    arrays = _chosen_arrays(pairs, choice, block_q)
+    if arrays is None:
         return None
-    code = torch.full((t.cols.numel(),), TILE_FULL, dtype=torch.int32)
-    partial = ~t.full
-    code[partial] = torch.arange(int(partial.sum()), dtype=torch.int32)
-    counts = torch.zeros(t.groups * (t.nqb + 1), dtype=torch.long)
-    counts[1:].index_add_(0, t.group * (t.nqb + 1) + t.rows, torch.ones_like(t.rows))
+    row_ptr, col_idx, code, *_, bits, _ = arrays
     return CpuLayout(
-        block_q=block_q, q_len=pairs.q_len, kv_len=pairs.kv_len, row_ptr=counts.cumsum(0),
-        col_idx=t.cols.to(torch.int32), code=code, col_ptr=_EMPTY, row_idx=_EMPTY_I,
-        code_t=_EMPTY_I, bits=t.bits,
+        block_q=block_q, q_len=pairs.q_len, kv_len=pairs.kv_len, row_ptr=row_ptr,
+        col_idx=col_idx, code=code, col_ptr=_EMPTY, row_idx=_EMPTY_I, code_t=_EMPTY_I, bits=bits,
     )  # fmt: skip
 
 
@@ -302,43 +262,29 @@ _EMPTY, _EMPTY_I = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.
 
 def chosen_layouts(pairs: Pairs, choice: torch.Tensor, block_q: int) -> list[CpuLayout] | None:
     """The arrays of each (b, kv head) of a choice (`Pairs.kv_groups` order), forward and
-    backward, built for all at once (`_chosen_tiles`); None where the blocks are not whole
-    tiles (each group's `kernel_layout` then)."""
-    t = _chosen_tiles(pairs, choice, block_q)
-    if t is None:
+    backward, cut from the joined arrays of all (`_chosen_arrays`); None where the blocks are
+    not whole tiles (each group's `kernel_layout` then)."""
+    arrays = _chosen_arrays(pairs, choice, block_q)
+    if arrays is None:
         return None
-    per_group = torch.bincount(t.group, minlength=t.groups)
-    partial = ~t.full
-    n_partial = torch.bincount(t.group[partial], minlength=t.groups)
-    p_start = torch.cumsum(n_partial, 0) - n_partial
-    code = torch.full((t.cols.numel(),), TILE_FULL, dtype=torch.int32)
-    p_global = torch.cumsum(partial, 0) - 1  # partial tiles before, over all groups
-    code[partial] = (p_global[partial] - p_start[t.group[partial]]).to(torch.int32)
-    counts = torch.zeros(t.groups, t.nqb + 1, dtype=torch.long)
-    counts.view(-1)[1:].index_add_(0, t.group * (t.nqb + 1) + t.rows, torch.ones_like(t.rows))
-    row_ptr = counts.cumsum(1)
-    col_counts = torch.zeros(t.groups, t.nkb + 1, dtype=torch.long)
-    col_counts.view(-1)[1:].index_add_(0, t.group * (t.nkb + 1) + t.cols, torch.ones_like(t.cols))
-    col_ptr = col_counts.cumsum(1)
-    by_col = torch.argsort(t.group * t.nkb + t.cols, stable=True)  # each group's by column
-    sizes = per_group.tolist()
-    arrays = (t.cols.to(torch.int32), code, t.rows[by_col].to(torch.int32), code[by_col])
-    parts = [x.split(sizes) for x in arrays]
-    return [
-        CpuLayout(
-            block_q=block_q,
-            q_len=pairs.q_len,
-            kv_len=pairs.kv_len,
-            row_ptr=row_ptr[g],
-            col_idx=parts[0][g],
-            code=parts[1][g],
-            col_ptr=col_ptr[g],
-            row_idx=parts[2][g],
-            code_t=parts[3][g],
-            bits=bits_g,
-        )
-        for g, bits_g in enumerate(t.bits.split(n_partial.tolist()))
-    ]
+    row_ptr, col_idx, code, col_ptr, row_idx, code_t, bits, parts = arrays
+    groups = parts.numel() - 1
+    row_ptr, col_ptr = row_ptr.view(groups, -1), col_ptr.view(groups, -1)
+
+    def local(c: torch.Tensor, p0: int) -> torch.Tensor:  # a group's PARTIAL codes from 0
+        return torch.where(c >= 0, c - p0, c)
+
+    out = []
+    for g, (p0, p1) in enumerate(zip(parts[:-1].tolist(), parts[1:].tolist(), strict=True)):
+        t0, t1 = int(row_ptr[g, 0]), int(row_ptr[g, -1])
+        one = CpuLayout(
+            block_q=block_q, q_len=pairs.q_len, kv_len=pairs.kv_len,
+            row_ptr=row_ptr[g] - t0, col_idx=col_idx[t0:t1], code=local(code[t0:t1], p0),
+            col_ptr=col_ptr[g] - t0, row_idx=row_idx[t0:t1], code_t=local(code_t[t0:t1], p0),
+            bits=bits[p0:p1],
+        )  # fmt: skip
+        out.append(one)
+    return out
 
 
 def joined(layouts: list[CpuLayout]) -> CpuLayout:
@@ -364,18 +310,6 @@ def joined(layouts: list[CpuLayout]) -> CpuLayout:
         code_t=first.code_t,
         bits=torch.cat([lay.bits for lay in layouts]),
     )
-
-
-def _causal_bits(nq: int, nk: int, block_q: int, rows: torch.Tensor, cols: torch.Tensor):
-    """The bits of PARTIAL tiles (rows[p], cols[p]) under the causal rule alone (a chosen
-    block's keys are all chosen): evaluated once per distinct tile (the groups share their
-    diagonal tiles), never from the causal problem's whole layout (O(N²) tiles)."""
-    if not rows.numel():
-        return torch.zeros(0, 1, 1, block_q, dtype=torch.int64)
-    nkb = -(-nk // BLOCK_K)
-    tiles, at = torch.unique(rows * nkb + cols, return_inverse=True)
-    bits = partial_bits(Pairs(nq, nk, causal=True), tiles // nkb, tiles % nkb, block_q)
-    return bits[at]
 
 
 def _build(pairs: Pairs, block_q: int) -> CpuLayout:

@@ -1,0 +1,202 @@
+// Blocks chosen by the content (`qkv.sparse.select_blocks`), the two steps around the kernel
+// call that torch operations would spend dozens of small calls on:
+// - `choose_blocks`: from the pooled scores of every (group, query block, key block), each query
+//   block's forced blocks and its top-k others (or those within a share of the softmax mass);
+// - `chosen_layout`: the kernel's arrays of every group straight from those block lists.
+// A decoding step pays each torch call's fixed cost (and, after the other layers' work has
+// evicted the caches, a cold one), so one pass here keeps the step at a small share of the
+// dense step.
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "tile_bits.h"
+
+namespace qkv_cpu {
+namespace {
+
+using Scored = std::pair<float, int64_t>;  // a block's score and the block
+
+// higher score first, the lower block on a tie
+inline bool better(const Scored& a, const Scored& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
+// The blocks one query block reads, ascending: the forced ones (its `local` nearest, up to
+// `own`, and the `sink` first) within [0, reach], and the best others by score: at most `topk`
+// (< 0: no cap), and with a threshold (> 0) only while the kept blocks hold less than that
+// share of the softmax mass over the blocks it may read.
+void choose_row(const float* s, int64_t own, int64_t reach, int64_t topk, double threshold,
+                double scale, int64_t local, int64_t sink, std::vector<int64_t>& picks,
+                std::vector<Scored>& best) {
+  picks.clear();
+  best.clear();
+  for (int64_t t = 0; t < local; ++t)
+    if (own - t >= 0 && own - t <= reach) picks.push_back(own - t);
+  for (int64_t t = 0; t < sink && t <= reach; ++t)
+    if (t <= own - local || t > own) picks.push_back(t);  // not already a local one
+  const size_t n_forced = picks.size();
+  const auto forced = [&](int64_t j) {
+    return (j <= own && j > own - local) || j < std::min(sink, reach + 1);
+  };
+  const size_t cap = topk < 0 ? SIZE_MAX : (size_t)topk;
+  for (int64_t j = 0; j <= reach && cap > 0; ++j) {
+    const Scored x{s[j], j};
+    if (!(x.first > -std::numeric_limits<float>::infinity()) || forced(j)) continue;
+    if (best.size() == cap) {  // full: most candidates fail this one test
+      if (!better(x, best.back())) continue;
+      best.pop_back();
+    }
+    best.push_back(x);
+    if (topk >= 0)  // kept in order while capped; sorted once at the end otherwise
+      for (size_t at = best.size() - 1; at > 0 && better(best[at], best[at - 1]); --at)
+        std::swap(best[at], best[at - 1]);
+  }
+  if (topk < 0) std::sort(best.begin(), best.end(), better);
+  if (threshold > 0) {
+    double top = -std::numeric_limits<double>::infinity(), total = 0.0, mass = 0.0;
+    for (int64_t j = 0; j <= reach; ++j) top = std::max(top, (double)s[j]);
+    if (std::isfinite(top)) {
+      for (int64_t j = 0; j <= reach; ++j) total += std::exp(((double)s[j] - top) * scale);
+      for (size_t t = 0; t < n_forced; ++t) mass += std::exp(((double)s[picks[t]] - top) * scale);
+      mass /= total;
+    }
+    size_t kept = 0;
+    for (; kept < best.size() && mass < threshold; ++kept)
+      mass += std::exp(((double)best[kept].first - top) * scale) / total;
+    best.resize(kept);
+  }
+  for (const Scored& x : best) picks.push_back(x.second);
+  std::sort(picks.begin(), picks.end());
+}
+
+// scores float32 (G, R, nks), the softmax's logits once multiplied by `scale` (> 0); own[r],
+// reach[r]: row r's own block and the last block it may read (−1: none). topk < 0: no cap;
+// threshold ≤ 0: none. int64 (G, R, W), −1 padded.
+at::Tensor choose_blocks(const at::Tensor& scores_in, at::IntArrayRef own, at::IntArrayRef reach,
+                         int64_t topk, double threshold, double scale, int64_t local,
+                         int64_t sink) {
+  TORCH_CHECK(scores_in.dim() == 3 && scores_in.scalar_type() == at::kFloat,
+              "choose_blocks: scores must be a float32 (G, R, nks) tensor");
+  const at::Tensor scores = scores_in.contiguous();
+  const int64_t G = scores.size(0), R = scores.size(1), nks = scores.size(2);
+  TORCH_CHECK((int64_t)own.size() == R && (int64_t)reach.size() == R,
+              "choose_blocks: own and reach need one entry per query block");
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(reach[r] < nks && own[r] < nks, "choose_blocks: a block past the keys");
+  const float* sp = scores.data_ptr<float>();
+  std::vector<std::vector<int64_t>> rows((size_t)(G * R));
+  std::vector<Scored> best;
+  size_t width = 0;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < R; ++r) {
+      auto& picks = rows[(size_t)(g * R + r)];
+      choose_row(sp + (g * R + r) * nks, own[r], reach[r], topk, threshold, scale, local, sink,
+                 picks, best);
+      width = std::max(width, picks.size());
+    }
+  at::Tensor index = at::full({G, R, (int64_t)width}, -1, at::TensorOptions().dtype(at::kLong));
+  int64_t* ip = index.data_ptr<int64_t>();
+  for (size_t a = 0; a < rows.size(); ++a) std::copy(rows[a].begin(), rows[a].end(), ip + a * width);
+  return index;
+}
+
+// One kept tile: its group, query tile, key tile and PARTIAL index (−1: FULL)
+struct Tile {
+  int64_t group, row, col;
+  int32_t code;
+};
+
+// index int64 (G, nqs, kmax) ascending, −1 padded: each group's chosen key blocks of `block`
+// keys (a multiple of 64 and of block_q) per query block. Query row r sees key positions up to
+// r + nk − nq when `causal` (bottom-right). The forward and backward arrays of all groups back
+// to back: row pointers (G·(nqb + 1)) and column pointers (G·(nkb + 1)) into one tile list,
+// PARTIAL codes counted over all groups (group-major), their bits (P, 1, 1, block_q), and
+// `parts` (G + 1): where each group's PARTIAL tiles start.
+std::vector<at::Tensor> chosen_layout(const at::Tensor& index_in, int64_t block, int64_t nq,
+                                      int64_t nk, int64_t block_q, bool causal) {
+  TORCH_CHECK(index_in.dim() == 3 && index_in.scalar_type() == at::kLong,
+              "chosen_layout: index must be an int64 (G, query blocks, kmax) tensor");
+  TORCH_CHECK(nq > 0 && nk > 0 && block_q > 0 && block % BK == 0 && block % block_q == 0,
+              "chosen_layout: blocks must be whole key tiles and hold whole query tiles");
+  const at::Tensor index = index_in.contiguous();
+  const int64_t G = index.size(0), nqs = index.size(1), kmax = index.size(2);
+  const int64_t nqb = (nq + block_q - 1) / block_q, nkb = (nk + BK - 1) / BK, per = block / BK;
+  TORCH_CHECK(nqs * block >= nq, "chosen_layout: too few query blocks for q_len");
+  const int64_t* ip = index.data_ptr<int64_t>();
+  const int64_t shift = nk - nq;  // row r sits at key position r + shift
+  std::vector<Tile> tiles;
+  int32_t n_parts = 0;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nqb; ++i) {
+      const int64_t r0 = i * block_q, r1 = std::min(nq, r0 + block_q);
+      const int64_t* picks = ip + (g * nqs + r0 / block) * kmax;
+      for (int64_t a = 0; a < kmax && picks[a] >= 0; ++a)
+        for (int64_t j = picks[a] * per; j < (picks[a] + 1) * per && j < nkb; ++j) {
+          const int64_t k_lo = j * BK, k_hi = std::min(nk, k_lo + BK) - 1;
+          if (causal && k_lo > r1 - 1 + shift) continue;  // no key visible to any row
+          const bool full = !causal || k_hi <= r0 + shift;
+          tiles.push_back({g, i, j, full ? -1 : n_parts++});
+        }
+    }
+  const int64_t nnz = (int64_t)tiles.size();
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  at::Tensor row_ptr = at::zeros({G * (nqb + 1)}, i64), col_ptr = at::zeros({G * (nkb + 1)}, i64);
+  at::Tensor col_idx = at::empty({nnz}, i32), code = at::empty({nnz}, i32);
+  at::Tensor row_idx = at::empty({nnz}, i32), code_t = at::empty({nnz}, i32);
+  at::Tensor bits = at::zeros({n_parts, 1, 1, block_q}, i64), parts = at::zeros({G + 1}, i64);
+  int64_t* rp = row_ptr.data_ptr<int64_t>();
+  int64_t* cp = col_ptr.data_ptr<int64_t>();
+  int64_t* pp = parts.data_ptr<int64_t>();
+  uint64_t* bp = reinterpret_cast<uint64_t*>(bits.data_ptr<int64_t>());
+  for (int64_t t = 0; t < nnz; ++t) {
+    const Tile& x = tiles[(size_t)t];
+    ++rp[x.group * (nqb + 1) + x.row + 1];
+    ++cp[x.group * (nkb + 1) + x.col + 1];
+    col_idx.data_ptr<int32_t>()[t] = (int32_t)x.col;
+    code.data_ptr<int32_t>()[t] = x.code;
+    if (x.code < 0) continue;
+    ++pp[x.group + 1];
+    const int64_t first = x.col * BK, last = std::min(nk, first + BK) - 1;
+    for (int64_t r = x.row * block_q; r < std::min(nq, (x.row + 1) * block_q); ++r)
+      bp[(int64_t)x.code * block_q + r - x.row * block_q] =
+          span_bits(first, std::min(last, r + shift), first);
+  }
+  // running sums over all groups: each group's pointers start where the one before it ends
+  for (int64_t a = 0; a < G * (nqb + 1) - 1; ++a) rp[a + 1] += rp[a];
+  for (int64_t a = 0; a < G * (nkb + 1) - 1; ++a) cp[a + 1] += cp[a];
+  for (int64_t g = 0; g < G; ++g) pp[g + 1] += pp[g];
+  // by key-tile column within each group, top to bottom (a stable counting sort)
+  std::vector<int64_t> slot(cp, cp + G * (nkb + 1));
+  for (int64_t t = 0; t < nnz; ++t) {
+    const Tile& x = tiles[(size_t)t];
+    const int64_t at = slot[(size_t)(x.group * (nkb + 1) + x.col)]++;
+    row_idx.data_ptr<int32_t>()[at] = (int32_t)x.row;
+    code_t.data_ptr<int32_t>()[at] = x.code;
+  }
+  return {row_ptr, col_idx, code, col_ptr, row_idx, code_t, bits, parts};
+}
+
+}  // namespace
+}  // namespace qkv_cpu
+
+TORCH_LIBRARY_FRAGMENT(qkv_cpu, m) {
+  m.def(
+      "choose_blocks(Tensor scores, int[] own, int[] reach, int topk, float threshold, "
+      "float scale, int local, int sink) -> Tensor",
+      &qkv_cpu::choose_blocks);
+  m.def(
+      "chosen_layout(Tensor index, int block, int q_len, int kv_len, int block_q, bool causal) "
+      "-> Tensor[]",
+      &qkv_cpu::chosen_layout);
+}
