@@ -207,6 +207,7 @@ def backward_impl(
         rows = [None if t is None else t[b : b + 1, heads] for t in (dout, dlse, out, m, l)]
         gq, gk, gv = run(L, rows[0], rows[1], qg, kg, vg, *rows[2:], sg)
         dq[b, heads], dk[b, g], dv[b, g] = gq[0], gk[0, 0], gv[0, 0]
+        del gq, gk, gv  # back to the kernel's kept results before the next group's call
     return dq, dk, dv
 
 

@@ -127,7 +127,9 @@ struct BwdChunk {
   int64_t j0, j1;      // its key tiles
   int64_t t0, t1;      // its touched query tiles (entries t0 … t1 − 1 of the plan)
   int64_t gs;          // heads per pass (BwdPlan.heads)
-  int64_t tile;        // doubles of one pool slot: gs heads' dQ of a query tile
+  int64_t tile;        // doubles of one pool slot: gs heads' dQ of a query tile (bfloat16 on
+                       // the tiles: in float, two to a double)
+  int64_t head;        // doubles from one head's dQ in a slot to the next's
   int64_t live;        // most query tiles live at once
   int64_t kvs;         // doubles of one column's dK_j and dV_j kept between passes
   int64_t qpe, dpe;    // float32 on the tiles: one cache entry's parts of Q's rows, of dO's
@@ -161,12 +163,13 @@ QKV_STEP BwdChunk bwd_chunk(const Problem& P, const BwdPlan& Bp, const BwdItem& 
   ch.t1 = Bp.chunk_t[c + 1];
   // heads g0 … g1 − 1 per pass over the chunk; dK_j, dV_j of its columns kept between passes
   ch.gs = Bp.heads;
-  ch.tile = ch.gs * bq * P.Dp;
   ch.live = Bp.chunk_live[c];
   ch.kvs = BK * (P.Dp + P.Dvp);
   ch.qpe = scores_on_tiles(P) ? tile_a3_elems(bq, P.D) : 0;  // one entry's parts
   ch.dpe = w.f32.vb3 ? tile_a3_elems(bq, P.Dv) : 0;          // … of dO's rows
   ch.rpe = bwd_on_tiles(P) ? row_packs_elems(P, bq) : 0;
+  ch.head = ch.rpe ? (bq * P.Dp + 1) / 2 : bq * P.Dp;  // (bq·Dp even: Dp a multiple of 16)
+  ch.tile = ch.gs * ch.head;
   ch.rows_in_place = P.dtype == DT_F32 && P.precise_scores && !P.dot_scores && P.D == P.Dp &&
                      P.Dv == P.Dvp && P.q.sn == P.Dp && P.dout.sn == P.Dvp;
   return ch;
@@ -197,14 +200,13 @@ QKV_STEP void bwd_flush_tiles(const Problem& P, const BwdPlan& Bp, const BwdChun
     if (Bp.t_last[t] != j) break;
     const int32_t s = w.slot_of[t - ch.t0];
     double* acc = w.pool + s * ch.tile;
-    if (ch.rpe) {  // bfloat16 on the tiles: each head's dQ in float at the start of its doubles,
-      // widened in place from the end (double x overwrites floats 2x, 2x + 1, already read)
+    if (ch.rpe) {  // bfloat16 on the tiles: each head's dQ in float, widened to double
       const int64_t head = P.lay.bq * P.Dp;
       for (int64_t g = 0; g < ps.g1 - ps.g0; ++g) {
-        double* h = acc + g * head;
-        const float* f = (const float*)h;
-        for (int64_t x = head - 1; x >= 0; --x) h[x] = (double)f[x];
+        const float* f = (const float*)(acc + g * ch.head);
+        for (int64_t x = 0; x < head; ++x) w.dq_wide[g * head + x] = (double)f[x];
       }
+      acc = w.dq_wide;
     }
     flush_dq(P, Bp, ch.b, ch.hkv, t, ps.g0, ps.g1, acc, w);
     w.free_slots[ps.n_free++] = s;
@@ -450,7 +452,7 @@ QKV_STEP void bwd_tile_head(const Problem& P, const BwdPlan& Bp, const BwdChunk&
     bwd_p_ds_tiles(P, col, L.code_t[e], nr, exact, w);
   else
     bwd_p_ds_rows(P, col, L.code_t[e], nr, w);
-  bwd_acc_grads(P, col, nr, w.pool + slot * ch.tile + (g - ps.g0) * bq * Dp, rp, w);
+  bwd_acc_grads(P, col, nr, w.pool + slot * ch.tile + (g - ps.g0) * ch.head, rp, w);
 }
 
 // One pass of heads g0 … over the chunk, column by column

@@ -115,6 +115,7 @@ struct BwdBufs : StepBufs {
                                 // bfloat16 on the tiles: dKᵀ_j, dVᵀ_j in float, in their memory)
   double *vt64, *dO64, *dp64;   // Vᵀ, dO and dP in double (dP's sums are exact)
   double* dq_sum;               // a query tile's dQ partials summed (flush_dq)
+  double* dq_wide;              // bfloat16 on the tiles: a pool slot's float dQ widened to double
   double *sum_p, *sum_pdp;      // the row pass: Σ_j P_ij and Σ_j P_ij dP̃_ij per row
   double* pool;                 // live dQ tiles (bfloat16 on the tiles: in float until flushed)
   int64_t pool_cap;
@@ -230,6 +231,7 @@ static bool bwd_alloc(BwdBufs& w, const Problem& P, int64_t rows) {
     c.take(w.dk64, BK * Dp);
     c.take(w.dO64, R * Dvp);
     c.take(w.dq_sum, R * Dm);
+    c.take(w.dq_wide, bf16 ? R * Dm : 0);
     c.take(w.tile.kb, kb_elems);
     c.take(w.f32.vb3, vb_elems);
     c.take_each(bf16 ? tile_b_elems(bqa, 4) : 0, w.bf16.pb, w.bf16.dsb);
