@@ -100,6 +100,20 @@ def test_the_choice_is_the_pooled_scores_top_blocks(case, choice_path):
     assert chosen.counts().max() == chosen.index.shape[-1]
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_kernels_choice_reads_any_float_queries_in_place(dtype, monkeypatch):
+    """`choose_blocks` pools bfloat16/float16 queries itself, from (B, N, H, D) storage (as
+    transformers holds them), D not a multiple of its 16 running sums: the twin's choice."""
+    q, k, _ = make_qkv(B=2, H=4, Hkv=2, Nq=300, Nk=300, D=24, seed=5)
+    q = q.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    k = k.to(dtype)
+    cpu_op.load()
+    got = select_blocks(q, k, block=32, topk=3, sink=1)
+    monkeypatch.setattr(qkv.sparse, "loaded", lambda: None)
+    assert torch.equal(got.index, select_blocks(q, k, block=32, topk=3, sink=1).index)
+
+
 def test_a_causal_choice_never_reads_the_future_and_keeps_its_own_block(choice_path):
     q, k, _ = make_qkv(B=1, H=2, Nq=512, D=8, seed=1)
     chosen = select_blocks(q, k, block=32, topk=4, sink=1)

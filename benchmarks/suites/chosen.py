@@ -14,9 +14,9 @@ full-cache step, memory at a million tokens.
 - Decoding: one step of Nq = 1, 4 or 16 query rows over a 65,536-token cache (fp32).
   `chosen step` = `select_blocks(q, k, pooled_k=...)` + `qkv.attention(q, k, v, mask=...)`, with
   the blocks' pooled keys kept by the cache as tokens arrive (`KVCache(pool_block=64)`:
-  `pooled_keys()` is in the timed call, the running sums are updated when a token is appended,
-  outside it); `full step` = `qkv.attention(q, k, v, causal=True)` over the whole cache (the
-  anchor). The two alternate, so each chosen step starts with the caches the full step's
+  `pooled_keys()` is in the timed call; the blocks' sums and means are updated when a token is
+  appended, outside it); `full step` = `qkv.attention(q, k, v, causal=True)` over the whole
+  cache (the anchor). The two alternate, so each chosen step starts with the caches the full step's
   268 MB just flushed, as a layer's step in a model starts after the other layers' work.
 - `choice`'s column "×dense causal" is its time against the anchor's, not a speed-up of
   attention; the share it matters for is in the targets.

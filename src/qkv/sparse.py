@@ -121,20 +121,22 @@ def select_blocks(
     if Nk == 0:  # nothing to choose from
         index = torch.full((B, hkv, nqs, 0), -1, dtype=torch.long)
         return ChosenBlocks(index, block, heads=H, q_len=Nq, kv_len=Nk, causal=causal)
+    # each query block's last position; the block holding it (its own) and the last it may
+    # read: some key at or before that position (causal), every block (not)
+    last = [min((r + 1) * block, max(Nq, 1)) - 1 + (Nk - Nq) for r in range(nqs)]
+    own = [min(x // block, nks - 1) for x in last]
+    reach = own if causal else [nks - 1] * nqs
+    settings = (topk, threshold, 1 / math.sqrt(max(D, 1)), local, sink)
     with torch.no_grad():
-        qp = _block_means(q, H // hkv, block) if Nq else torch.zeros(B, hkv, 1, D, device=q.device)
         kp = pooled_k.detach().float()
-        rows = max(1, SCORE_CHUNK // max(1, B * hkv * nks))
-        parts = [
-            _choose(
-                qp[:, :, r : r + rows], kp, r, block, Nq, Nk, topk, threshold, causal, local, sink
+        ops = loaded() if _kernel_chooses(q, kp) else None
+        if ops is not None:  # one call: pooled queries, scores and the choice
+            cap, share = -1 if topk is None else topk, 0.0 if threshold is None else threshold
+            index = ops.choose_blocks(
+                q.detach(), kp, block, own, reach, cap, share, settings[2], local, sink
             )
-            for r in range(0, nqs, rows)
-        ]
-    width = max(p.shape[-1] for p in parts)
-    index = parts[0] if len(parts) == 1 else torch.cat(
-        [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts], dim=2
-    )  # fmt: skip
+        else:
+            index = _choose_torch(q, kp, block, own, reach, *settings)
     how = f"topk={topk}" if threshold is None else f"threshold={threshold}, topk={topk}"
     return ChosenBlocks(
         index.cpu(), block, heads=H, q_len=Nq, kv_len=Nk, causal=causal,
@@ -142,30 +144,41 @@ def select_blocks(
     )  # fmt: skip
 
 
-def _choose(qp, kp, r0, block, Nq, Nk, topk, threshold, causal, local, sink) -> torch.Tensor:
-    """The chosen key blocks of query blocks r0 … r0 + qp.shape[2] − 1: int64 `(B, Hkv, rows,
-    width)`, ascending, −1 past each row's count. On the CPU with the compiled kernel loaded,
-    the choice from the (float32) scores is one call (`choose_blocks`, csrc/chosen_blocks.cpp): a
-    decoding step pays no dozen small torch calls for it."""
-    B, hkv, rows, D = qp.shape
-    nks = kp.shape[2]
-    # each query block's last position; the block holding it (its own) and the last it may
-    # read: some key at or before that position (causal), every block (not)
-    last = [min((r + 1) * block, max(Nq, 1)) - 1 + (Nk - Nq) for r in range(r0, r0 + rows)]
-    own = [min(x // block, nks - 1) for x in last]
-    reach = own if causal else [nks - 1] * rows
-    scores, scale = torch.matmul(qp, kp.transpose(-1, -2)), 1 / math.sqrt(max(D, 1))
-    ops = loaded() if scores.device.type == "cpu" and scores.dtype == torch.float32 else None
-    if ops is not None:
-        cap, share = -1 if topk is None else topk, 0.0 if threshold is None else threshold
-        index = ops.choose_blocks(scores.flatten(0, 1), own, reach, cap, share, scale, local, sink)
-        return index.view(B, hkv, rows, -1)
-    return _choose_torch(scores * scale, own, reach, topk, threshold, local, sink)
+def _kernel_chooses(q: torch.Tensor, kp: torch.Tensor) -> bool:
+    """Whether the compiled kernel's `choose_blocks` (csrc/chosen_blocks.cpp) makes the choice:
+    CPU tensors, float32 pooled keys, queries in a float type of at most 32 bits (a float64
+    problem keeps float64 scores in the torch twin), some queries. A decoding step then pays
+    one call instead of a few dozen small torch calls."""
+    return (
+        q.device.type == "cpu"
+        and kp.dtype == torch.float32
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and q.shape[2] > 0
+    )
 
 
-def _choose_torch(scores, own, reach, topk, threshold, local, sink) -> torch.Tensor:
-    """`_choose` from the scaled scores in torch operations, on any device (`choose_blocks`'s
-    twin, tested equal)."""
+def _choose_torch(q, kp, block, own, reach, topk, threshold, scale, local, sink) -> torch.Tensor:
+    """The choice (`select_blocks`) in torch operations, on any device: the queries pooled,
+    scored against the key blocks' means a chunk of query blocks at a time (at most
+    SCORE_CHUNK scores held), `choose_blocks`'s twin (tested equal). int64 `(B, Hkv, query
+    blocks, width)`, ascending, −1 past each row's count."""
+    B, H, Nq, D = q.shape
+    hkv, nks = kp.shape[1], kp.shape[2]
+    qp = _block_means(q, H // hkv, block) if Nq else torch.zeros(B, hkv, 1, D, device=q.device)
+    step = max(1, SCORE_CHUNK // max(1, B * hkv * nks))
+    parts = []
+    for r in range(0, len(own), step):
+        scores = torch.matmul(qp[:, :, r : r + step], kp.transpose(-1, -2)) * scale
+        rows = (own[r : r + step], reach[r : r + step])
+        parts.append(_choose_rows(scores, *rows, topk, threshold, local, sink))
+    width = max(p.shape[-1] for p in parts)
+    return parts[0] if len(parts) == 1 else torch.cat(
+        [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts], dim=2
+    )  # fmt: skip
+
+
+def _choose_rows(scores, own, reach, topk, threshold, local, sink) -> torch.Tensor:
+    """The choice of a chunk of query blocks from their scaled scores `(B, Hkv, rows, nks)`."""
     B, hkv, rows, nks = scores.shape
     dev = scores.device
     own_t = torch.tensor(own, device=dev)[:, None]

@@ -1,13 +1,17 @@
 // Blocks chosen by the content (`qkv.sparse.select_blocks`), the two steps around the kernel
 // call that torch operations would spend dozens of small calls on:
-// - `choose_blocks`: from the pooled scores of every (group, query block, key block), each query
-//   block's forced blocks and its top-k others (or those within a share of the softmax mass);
+// - `choose_blocks`: each (group, query block) pools its queries, scores them against the key
+//   blocks' means, and keeps its forced blocks and its top-k others (or those within a share of
+//   the softmax mass);
 // - `chosen_layout`: the kernel's arrays of every group straight from those block lists.
 // A decoding step pays each torch call's fixed cost (and, after the other layers' work has
 // evicted the caches, a cold one), so one pass here keeps the step at a small share of the
 // dense step.
 #include <torch/library.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
@@ -79,32 +83,85 @@ void choose_row(const float* s, int64_t own, int64_t reach, int64_t topk, double
   std::sort(picks.begin(), picks.end());
 }
 
-// scores float32 (G, R, nks), the softmax's logits once multiplied by `scale` (> 0); own[r],
-// reach[r]: row r's own block and the last block it may read (−1: none). topk < 0: no cap;
-// threshold ≤ 0: none. int64 (G, R, W), −1 padded.
-at::Tensor choose_blocks(const at::Tensor& scores_in, at::IntArrayRef own, at::IntArrayRef reach,
-                         int64_t topk, double threshold, double scale, int64_t local,
-                         int64_t sink) {
-  TORCH_CHECK(scores_in.dim() == 3 && scores_in.scalar_type() == at::kFloat,
-              "choose_blocks: scores must be a float32 (G, R, nks) tensor");
-  const at::Tensor scores = scores_in.contiguous();
-  const int64_t G = scores.size(0), R = scores.size(1), nks = scores.size(2);
-  TORCH_CHECK((int64_t)own.size() == R && (int64_t)reach.size() == R,
-              "choose_blocks: own and reach need one entry per query block");
+// The pooled query of query block r of group (b, hkv): the mean of its rows over the G heads of
+// the group, in float, into qp (D)
+template <typename T>
+void pool_query(const T* q, const int64_t* st, int64_t b, int64_t hkv, int64_t G, int64_t r0,
+                int64_t r1, int64_t D, float* qp) {
+  std::fill(qp, qp + D, 0.0f);
+  for (int64_t h = hkv * G; h < (hkv + 1) * G; ++h)
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = q + b * st[0] + h * st[1] + r * st[2];
+      for (int64_t d = 0; d < D; ++d) qp[d] += (float)row[d];
+    }
+  const float n = (float)((r1 - r0) * G);
+  for (int64_t d = 0; d < D; ++d) qp[d] /= n;
+}
+
+// s[j] = qp · kp[j] for the nks pooled keys (rows of D floats): 16 running sums a key, in a
+// fixed order (vectorized without reassociating)
+void pooled_scores(const float* qp, const float* kp, int64_t nks, int64_t D, float* s) {
+  constexpr int64_t L = 16;
+  for (int64_t j = 0; j < nks; ++j) {
+    const float* k = kp + j * D;
+    float acc[L] = {};
+    int64_t d = 0;
+    for (; d + L <= D; d += L)
+      for (int64_t x = 0; x < L; ++x) acc[x] += qp[d + x] * k[d + x];
+    for (int64_t x = 0; d + x < D; ++x) acc[x] += qp[d + x] * k[d + x];
+    float sum = 0.0f;
+    for (int64_t x = 0; x < L; ++x) sum += acc[x];
+    s[j] = sum;
+  }
+}
+
+// q (B, H, Nq, D) float32, bfloat16 or float16, unit stride in D; kp (B, Hkv, nks, D) float32:
+// the key blocks' means. Query block r (rows r·block …) scores key block j by its pooled query
+// (mean over rows and the group's heads) · kp[j], scaled by `scale` where the softmax mass is
+// asked for; own[r], reach[r]: its own block and the last block it may read (−1: none).
+// topk < 0: no cap; threshold ≤ 0: none. int64 (B, Hkv, R, W): each row's blocks ascending, −1
+// padded. No score matrix is kept: each (group, query block) scores the keys on its own.
+at::Tensor choose_blocks(const at::Tensor& q_in, const at::Tensor& kp_in, int64_t block,
+                         at::IntArrayRef own, at::IntArrayRef reach, int64_t topk,
+                         double threshold, double scale, int64_t local, int64_t sink) {
+  TORCH_CHECK(q_in.dim() == 4 && kp_in.dim() == 4 && kp_in.scalar_type() == at::kFloat,
+              "choose_blocks: q must be (B, H, Nq, D) and kp a float32 (B, Hkv, nks, D) tensor");
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor kp = kp_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Hkv = kp.size(1), nks = kp.size(2), R = (int64_t)own.size();
+  TORCH_CHECK(kp.size(0) == B && kp.size(3) == D && Hkv > 0 && H % Hkv == 0 && block > 0 &&
+                  Nq > 0 && (int64_t)reach.size() == R && R == (Nq + block - 1) / block,
+              "choose_blocks: q, kp, block, own and reach disagree");
   for (int64_t r = 0; r < R; ++r)
     TORCH_CHECK(reach[r] < nks && own[r] < nks, "choose_blocks: a block past the keys");
-  const float* sp = scores.data_ptr<float>();
-  std::vector<std::vector<int64_t>> rows((size_t)(G * R));
-  std::vector<Scored> best;
+  const int64_t G = H / Hkv, items = B * Hkv * R;
+  const int64_t st[3] = {q.stride(0), q.stride(1), q.stride(2)};
+  const float* kpp = kp.data_ptr<float>();
+  std::vector<std::vector<int64_t>> rows((size_t)items);
+  const auto run = [&](const auto* qp_data) {
+    at::parallel_for(0, items, 16, [&](int64_t i0, int64_t i1) {
+      std::vector<float> qp((size_t)D), s((size_t)nks);
+      std::vector<Scored> best;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t bh = i / R, r = i % R, b = bh / Hkv, hkv = bh % Hkv;
+        pool_query(qp_data, st, b, hkv, G, r * block, std::min(Nq, (r + 1) * block), D, qp.data());
+        pooled_scores(qp.data(), kpp + bh * nks * D, nks, D, s.data());
+        choose_row(s.data(), own[r], reach[r], topk, threshold, scale, local, sink,
+                   rows[(size_t)i], best);
+      }
+    });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(q.data_ptr<float>()); break;
+    case at::kBFloat16: run(q.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: run(q.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "choose_blocks: q must be float32, bfloat16 or float16");
+  }
   size_t width = 0;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t r = 0; r < R; ++r) {
-      auto& picks = rows[(size_t)(g * R + r)];
-      choose_row(sp + (g * R + r) * nks, own[r], reach[r], topk, threshold, scale, local, sink,
-                 picks, best);
-      width = std::max(width, picks.size());
-    }
-  at::Tensor index = at::full({G, R, (int64_t)width}, -1, at::TensorOptions().dtype(at::kLong));
+  for (const auto& picks : rows) width = std::max(width, picks.size());
+  at::Tensor index =
+      at::full({B, Hkv, R, (int64_t)width}, -1, at::TensorOptions().dtype(at::kLong));
   int64_t* ip = index.data_ptr<int64_t>();
   for (size_t a = 0; a < rows.size(); ++a) std::copy(rows[a].begin(), rows[a].end(), ip + a * width);
   return index;
@@ -192,8 +249,8 @@ std::vector<at::Tensor> chosen_layout(const at::Tensor& index_in, int64_t block,
 
 TORCH_LIBRARY_FRAGMENT(qkv_cpu, m) {
   m.def(
-      "choose_blocks(Tensor scores, int[] own, int[] reach, int topk, float threshold, "
-      "float scale, int local, int sink) -> Tensor",
+      "choose_blocks(Tensor q, Tensor kp, int block, int[] own, int[] reach, int topk, "
+      "float threshold, float scale, int local, int sink) -> Tensor",
       &qkv_cpu::choose_blocks);
   m.def(
       "chosen_layout(Tensor index, int block, int q_len, int kv_len, int block_q, bool causal) "
