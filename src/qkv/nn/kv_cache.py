@@ -86,7 +86,7 @@ class KVCache:
         the cache's storage: the next `update` changes the blocks it touches."""
         if self.pool_block is None:
             raise ValueError("this KVCache keeps no pooled keys: build it with pool_block=")
-        return self.key_means[:, :, : -(-self.length // self.pool_block)]
+        return self.key_means.narrow(2, 0, -(-self.length // self.pool_block))
 
     def _pool(self, k: torch.Tensor, start: int) -> None:
         """Add `k`'s keys (positions `start …`) to their blocks' sums; renew those blocks'

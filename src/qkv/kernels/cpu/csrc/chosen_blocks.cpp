@@ -140,7 +140,8 @@ at::Tensor choose_blocks(const at::Tensor& q_in, const at::Tensor& kp_in, int64_
   const float* kpp = kp.data_ptr<float>();
   std::vector<std::vector<int64_t>> rows((size_t)items);
   const auto run = [&](const auto* qp_data) {
-    at::parallel_for(0, items, 16, [&](int64_t i0, int64_t i1) {
+    // an item scores nks·D products: one each is worth a thread (a decoding step has B·Hkv)
+    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> qp((size_t)D), s((size_t)nks);
       std::vector<Scored> best;
       for (int64_t i = i0; i < i1; ++i) {
