@@ -51,6 +51,14 @@ class Series:
     output: Any = None
 
 
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
 def wall_clock(run: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     out = run()
@@ -298,6 +306,8 @@ class Runner:
             return
         args, grad = group.inputs(case, pass_ != FWD)
         bound = {name: bind_call(call, args, grad) for name, call in here.items()}
+        if group.before_call is not None:
+            bound = {n: (run, _then(reset, group.before_call)) for n, (run, reset) in bound.items()}
         series = interleave(
             bound,
             group.repeats(self.settings, case),

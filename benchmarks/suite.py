@@ -78,7 +78,8 @@ class Group:
     figures per implementation. `describe(case)` gives figures of the case itself (density, say).
     `warm(case)` is a small case of the same kind: a memory probe calls it first, so that lazy
     set-up is not counted. `drop(settings, case)` gives the reason a listed case is not run at
-    all (None: it runs).
+    all (None: it runs). `before_call()` runs untimed before every call (warm-up and timed): the
+    work a call follows in its users' programs, so that each starts as it would there.
     """
 
     name: str
@@ -96,6 +97,7 @@ class Group:
     describe: Callable[[Any], dict[str, Any]] | None = None
     warm: Callable[[Any], Any] | None = None
     drop: Callable[[Any, Any], str | None] = never
+    before_call: Callable[[], None] | None = None
 
     def impl(self, name: str) -> Impl:
         return next(i for i in self.impls if i.name == name)

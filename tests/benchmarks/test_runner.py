@@ -115,3 +115,21 @@ def test_quiet_gate_policies():
         QuietGate(policy="refuse", max_round_s=0.0, busy=busy(1.0))()
     QuietGate(policy="off", busy=lambda s: pytest.fail("an off gate samples nothing"))()
     assert "busy" not in loud.record()
+
+
+def test_before_call_runs_untimed_before_every_call():
+    """A group's `before_call` (the work a call follows in a user's program) runs before each
+    call, the warm-up's included, and takes no part in the times."""
+    calls: list[str] = []
+    group = dataclasses.replace(
+        GROUP,
+        impls=GROUP.impls[:2],
+        cases=lambda s: [Case(8)],
+        passes=(FWD,),
+        before_call=lambda: calls.append("before"),
+    )
+    suite = dataclasses.replace(SUITE, steps=(group,), targets=())
+    res = run(suite, Options(gate="off", suite_ref=REF))
+    timed = [t for t in res.timings if t.times_s]
+    rounds = 1 + len(timed[0].times_s)  # the warm-up and the timed rounds
+    assert len(calls) == len(timed) * rounds
