@@ -38,11 +38,11 @@ from .inspect.outputs import (
     terminal_safe,
     write_json,
 )
+from .inspect.seeds import seed_arg
 from .labs import command as lab_command
 
 USAGE_ERROR, FAILED, INTERRUPTED = 2, 1, 130
 MISSING_PACKAGE = FAILED
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 LANG_HELP = "en or zh (Chinese): the language of help and errors"
 
 
@@ -95,16 +95,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if not 0 <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"the seed must be in 0..2**64-1, got {value}")
-    return value
-
-
 def _sizes(text: str) -> tuple[int, ...]:
     try:
         return tuple(_positive(x) for x in text.split(","))
@@ -121,7 +111,7 @@ def _explain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=_positive, default=4, help="tokens N (default 4)")
     p.add_argument("--d", type=_positive, default=8, help="model width d (default 8)")
     p.add_argument("--dk", type=_positive, default=4, help="head width d_k (default 4)")
-    p.add_argument("--seed", type=_seed, default=0, help="random seed, 0..2**64-1 (default 0)")
+    p.add_argument("--seed", type=seed_arg(), default=0, help="random seed, 0..2**64-1 (default 0)")
     p.add_argument("--causal", action="store_true", help="hide future tokens")
     p.add_argument("--lang", choices=LANGS, default="en", help="en or zh (Chinese)")
     p.add_argument("--full", action="store_true", help="print large matrices whole")

@@ -101,7 +101,7 @@ HELP = {
     "the longer run, smoother curves": "较长的运行，曲线更平滑",
     "folder for the figure NAME.png": "存放图 NAME.png 的文件夹",
     "print only; write no figure": "只打印，不画图",
-    "random seed (default 0)": "随机种子（默认 0）",
+    "random seed, 0..2**32-1 (default 0)": "随机种子，0..2**32-1（默认 0）",
     # demo
     "the folder (default qkv-demo)": "输出文件夹（默认 qkv-demo）",
     "the labs' full runs (several minutes)": "各实验的完整运行（需要几分钟）",

@@ -19,6 +19,7 @@ from qkv.cli import main
         (["lab", "rnn", "--quick", "--full"], "not allowed with argument --quick"),
         (["lab", "scale", "--lang", "fr"], "invalid choice: 'fr'"),
         (["lab", "routing", "--seed", "-1"], "the seed must be in 0..2**32-1, got -1"),
+        (["lab", "rnn", "--seed", str(2**32)], f"the seed must be in 0..2**32-1, got {2**32}"),
         (["lab", "routing", "--seed", "x"], "expected an integer seed, got 'x'"),
         (["lab", "rnn", "--json", "/nonexistent-qkv/r.json"], "does not exist"),
     ],

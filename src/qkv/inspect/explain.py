@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import reference
+from .seeds import SEED_MAX
 from .text import ljust
 
 # One line of meaning per step, in each language the walk-through speaks.
@@ -82,7 +83,6 @@ COST_SIZES = (512, 2048, 1_048_576)
 SATURATED = 0.5
 SPREAD = 0.6
 SHOWN = 16  # rows and columns of a matrix printed whole (more: its corners, unless full)
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 BYTES_PER_SHOWN = 64  # a float64 entry, its Python float while printed, and its text
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from .explain import SEED_MAX, ExplainError, walkthrough
+from .explain import ExplainError, walkthrough
+from .seeds import SEED_MAX
 from .viewer import script_json
 
 PLACEHOLDER = "/*QKV_FORMULA*/"

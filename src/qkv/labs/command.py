@@ -16,21 +16,9 @@ import warnings
 from pathlib import Path
 
 from ..inspect.outputs import STDOUT, check_file, check_folder, say_to, write_json
+from ..inspect.seeds import LAB_SEED_MAX, seed_arg
 from . import LABS
 from .common import LANGS, pick
-
-SEED_MAX = 2**32 - 1
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if not 0 <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"the seed must be in 0..2**32-1, got {value}")
-    return value
-
 
 # said instead of argparse's "the following arguments are required: name" (`qkv.cli` reads a
 # parser's `required_message`)
@@ -49,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the measurements as JSON ('-': stdout)")
     p.add_argument("--out", default="qkv-lab", help="folder for the figure NAME.png")
     p.add_argument("--no-files", action="store_true", help="print only; write no figure")
-    p.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
+    p.add_argument(
+        "--seed", type=seed_arg(LAB_SEED_MAX), default=0, help="random seed, 0..2**32-1 (default 0)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
