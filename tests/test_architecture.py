@@ -275,6 +275,37 @@ def test_the_causal_check_sees_the_rule_written_out():
     ]  # fmt: skip
 
 
+LONGEST = 120  # lines a function may take, as the compiled kernel's C++ (test_cpu_csrc_shape)
+
+
+def long_functions(tree: ast.AST) -> list[tuple[str, int]]:
+    """(name, lines) of every function (methods and nested ones too) longer than LONGEST."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > LONGEST
+    ]
+
+
+def test_no_function_is_longer_than_the_kernels_limit():
+    found = [
+        f"{'/'.join(parts)}: {name}, {n} lines"
+        for path, parts in _modules()
+        for name, n in long_functions(ast.parse(path.read_text()))
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_length_check_counts_a_function_from_def_to_its_last_line():
+    def lines(n: int, indent: str) -> str:
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(n))
+
+    assert long_functions(ast.parse(f"def fine():\n{lines(LONGEST - 1, '    ')}")) == []
+    method = f"class A:\n    def long(self):\n{lines(LONGEST, '        ')}"
+    assert long_functions(ast.parse(method)) == [("long", LONGEST + 1)]
+
+
 def test_import_qkv_is_light_and_submodules_are_one_attribute_away():
     code = (
         "import sys, qkv\n"

@@ -122,22 +122,8 @@ def _check_mask(
     return None, mask4, None
 
 
-def make_plan(
-    q: object,
-    k: object,
-    v: object,
-    *,
-    mask: object = None,
-    causal: object = False,
-    scale: object = None,
-    dropout_p: object = 0.0,
-    return_lse: object = False,
-    return_weights: object = False,
-    score_mod: object = None,
-    dropout_seed: int | torch.Tensor | None = None,
-    finite_inputs: object = False,
-) -> AttentionPlan:
-    """Check every argument of `qkv.attention` and build the plan (see its docstring)."""
+def _check_tensors(q: object, k: object, v: object) -> None:
+    """q, k, v: tensors of one rank (2, 3 or 4), one supported dtype, one device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {_describe(t)}")
@@ -164,10 +150,14 @@ def make_plan(
             raise TypeError(f"{name}.dtype={t.dtype} differs from q.dtype={q.dtype}; cast them")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it")
-    q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
-    B, H, Nq, D = q4.shape
-    Bk, Hkv, Nk, Dk = k4.shape
-    Bv, Hv, Nv, Dv = v4.shape
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """`(B, H, Hkv, Nq, Nk, D, Dv)` of q, k, v in 4-D form, which must agree (GQA: H a
+    multiple of Hkv)."""
+    B, H, Nq, D = to_4d(q).shape
+    Bk, Hkv, Nk, Dk = to_4d(k).shape
+    Bv, Hv, Nv, Dv = to_4d(v).shape
     if Dk != D:
         raise ValueError(
             f"k's head dim must equal q's: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}"
@@ -183,60 +173,105 @@ def make_plan(
             f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} "
             f"(grouped-query attention)"
         )
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {_describe(causal)}")
+    return B, H, Hkv, Nq, Nk, D, Dv
+
+
+def _check_scale(scale: object, D: int, dtype: torch.dtype) -> float:
+    """The softmax scale: 1/√D by default, else a finite number > 0 in the normal range of the
+    dtype the scores are computed in."""
     if scale is None:
-        scale_f = 1.0 / math.sqrt(D) if D > 0 else 1.0
-    else:
-        scale_f = _check_number("scale", scale)
-        # comparisons, not math.isfinite: under torch.compile a float is symbolic (dynamo
-        # does not specialise floats) and a comparison is a guard, where isfinite breaks
-        if not 0 < scale_f < math.inf:  # False for NaN too
-            raise ValueError(f"scale must be a finite number > 0, got scale={scale!r}")
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        info = torch.finfo(cdt)
-        if not info.tiny <= scale_f <= info.max:
-            raise ValueError(
-                f"scale={scale!r} is outside the normal range of {cdt}, the dtype scores are "
-                f"computed in ([{info.tiny:.3g}, {info.max:.3g}]): it would round to 0 or inf"
-            )
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+    scale_f = _check_number("scale", scale)
+    # comparisons, not math.isfinite: under torch.compile a float is symbolic (dynamo
+    # does not specialise floats) and a comparison is a guard, where isfinite breaks
+    if not 0 < scale_f < math.inf:  # False for NaN too
+        raise ValueError(f"scale must be a finite number > 0, got scale={scale!r}")
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    info = torch.finfo(cdt)
+    if not info.tiny <= scale_f <= info.max:
+        raise ValueError(
+            f"scale={scale!r} is outside the normal range of {cdt}, the dtype scores are "
+            f"computed in ([{info.tiny:.3g}, {info.max:.3g}]): it would round to 0 or inf"
+        )
+    return scale_f
+
+
+def _check_held(mask: object, Nq: int, Nk: int, causal: bool) -> tuple[BlockLayout | None, object]:
+    """`(held layout or None, the mask it stands for)`: a BlockLayout passed as the mask must
+    be built for this (Nq, Nk) and causal flag."""
+    if not isinstance(mask, BlockLayout):
+        return None, mask
+    held = mask
+    if (held.q_len, held.kv_len) != (Nq, Nk):
+        raise ValueError(
+            f"mask is a BlockLayout built for (Nq, Nk)=({held.q_len}, {held.kv_len}), "
+            f"but q and k give ({Nq}, {Nk})"
+        )
+    if held.causal != causal and Nq > 1:
+        raise ValueError(
+            f"mask is a BlockLayout built with causal={held.causal}; pass "
+            f"causal={held.causal} (the layout holds its tiles for that)"
+        )
+    return held, held.mask
+
+
+def _check_score_mod(score_mod: object, H: int) -> None:
+    if score_mod is None:
+        return
+    if not isinstance(score_mod, ScoreMod):
+        raise TypeError(
+            f"score_mod must be a qkv.scores.ScoreMod or None, got {_describe(score_mod)}"
+        )
+    if score_mod.heads is not None and score_mod.heads != H:
+        raise ValueError(
+            f"score_mod {score_mod!r} is written for {score_mod.heads} heads, got H={H}"
+        )
+
+
+def _check_bool(name: str, flag: object) -> None:
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be a bool, got {_describe(flag)}")
+
+
+def make_plan(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    mask: object = None,
+    causal: object = False,
+    scale: object = None,
+    dropout_p: object = 0.0,
+    return_lse: object = False,
+    return_weights: object = False,
+    score_mod: object = None,
+    dropout_seed: int | torch.Tensor | None = None,
+    finite_inputs: object = False,
+) -> AttentionPlan:
+    """Check every argument of `qkv.attention` and build the plan (see its docstring)."""
+    _check_tensors(q, k, v)
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)  # for type checkers
+    assert isinstance(v, torch.Tensor)
+    B, H, Hkv, Nq, Nk, D, Dv = _check_shapes(q, k, v)
+    _check_bool("causal", causal)
+    assert isinstance(causal, bool)  # for type checkers
+    scale_f = _check_scale(scale, D, q.dtype)
     p = _check_number("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p={dropout_p!r} is out of range [0, 1)")
-    for name, flag in (("return_lse", return_lse), ("return_weights", return_weights)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {_describe(flag)}")
-    held = None
-    if isinstance(mask, BlockLayout):
-        held = mask
-        if (held.q_len, held.kv_len) != (Nq, Nk):
-            raise ValueError(
-                f"mask is a BlockLayout built for (Nq, Nk)=({held.q_len}, {held.kv_len}), "
-                f"but q and k give ({Nq}, {Nk})"
-            )
-        if held.causal != causal and Nq > 1:
-            raise ValueError(
-                f"mask is a BlockLayout built with causal={held.causal}; pass "
-                f"causal={held.causal} (the layout holds its tiles for that)"
-            )
-        mask = held.mask
+    _check_bool("return_lse", return_lse)
+    _check_bool("return_weights", return_weights)
+    held, mask = _check_held(mask, Nq, Nk, causal)
     bool_mask, bias, rule = _check_mask(mask, (B, H, Nq, Nk), q.device)
-    if score_mod is not None:
-        if not isinstance(score_mod, ScoreMod):
-            raise TypeError(
-                f"score_mod must be a qkv.scores.ScoreMod or None, got {_describe(score_mod)}"
-            )
-        if score_mod.heads is not None and score_mod.heads != H:
-            raise ValueError(
-                f"score_mod {score_mod!r} is written for {score_mod.heads} heads, got H={H}"
-            )
+    _check_score_mod(score_mod, H)
+    assert score_mod is None or isinstance(score_mod, ScoreMod)  # for type checkers
     if p > 0 and dropout_seed is None:
         # Drawn from torch's RNG on q's device, so torch.manual_seed makes dropout repeatable;
         # kept as a tensor, so drawing it needs no host sync (and no graph break).
         gen_device = q.device if q.device.type != "meta" else "cpu"
         dropout_seed = torch.randint(0, 2**62, (1,), device=gen_device)[0]
-    if not isinstance(finite_inputs, bool):
-        raise TypeError(f"finite_inputs must be a bool, got {_describe(finite_inputs)}")
+    _check_bool("finite_inputs", finite_inputs)
+    assert isinstance(finite_inputs, bool)  # for type checkers
     return AttentionPlan(
         batch=B,
         heads=H,

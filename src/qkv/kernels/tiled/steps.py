@@ -278,6 +278,7 @@ def forward_loop(
 
 
 STRIP_KEEP = 2**24  # P and dP elements a strip of the backward keeps between its two phases
+WIDE = torch.float64  # the backward's sums: D_i, dQ of a strip, the modifiers' parameters
 
 
 @dataclass(frozen=True)
@@ -328,78 +329,108 @@ def backward_loop(
     `delta (B, H, Nq)` (the distributed ring, whose rows' keys are spread over ranks): D_i
     given, float64. A strip keeps its P and dP between the phases (up to STRIP_KEEP elements;
     beyond, it recomputes them)."""
-    plan = T.plan
-    B, Hkv, G, Nq, Nk = plan.batch, plan.kv_heads, plan.groups, plan.q_len, plan.kv_len
-    D, Dv = plan.head_dim, plan.v_dim
-    cdt = T.cdt
-    wide = torch.float64
-    qs = q.to(cdt).reshape(B, Hkv, G, Nq, D)
-    kc, vc = k.to(cdt), v.to(cdt)
-    # Garbage in masked-out keys/values must not turn 0-weight gradients into NaN: the
-    # backward reads them with NaN/inf zeroed (a copy; it never reads values to decide).
-    kc = torch.nan_to_num(kc, nan=0.0, posinf=0.0, neginf=0.0)
-    vc = torch.nan_to_num(vc, nan=0.0, posinf=0.0, neginf=0.0)
-    if dout is None:
-        do5 = torch.zeros(B, Hkv, G, Nq, Dv, dtype=cdt, device=q.device)
-    else:
-        do5 = dout.to(cdt).reshape(B, Hkv, G, Nq, Dv)
-    hi5 = stats.hi.reshape(B, Hkv, G, Nq)
-    lo5 = None if stats.lo is None else stats.lo.reshape(B, Hkv, G, Nq)
-    l5 = None if stats.l is None else stats.l.reshape(B, Hkv, G, Nq)
-    dl5 = None if dlse is None else dlse.to(wide).reshape(B, Hkv, G, Nq)
-    dq = torch.empty(B, Hkv, G, Nq, D, dtype=cdt, device=q.device)
-    dk = torch.zeros(B, Hkv, Nk, D, dtype=cdt, device=q.device)
-    dv = torch.zeros(B, Hkv, Nk, Dv, dtype=cdt, device=q.device)
-    ks = keep_scale(plan.dropout_p)
-    params = plan.score_mod.params if plan.score_mod is not None else ()
-    dparams = [torch.zeros_like(t, dtype=wide) for t in params]
+    bw = _Backward(T, q, k, v, stats, dout, dlse, delta)
+    for strip, size in zip(bw.strips, bw.per_strip, strict=True):
+        rs = bw.row_strip(strip)
+        kept, d_row = bw.row_terms(rs, strip, keep_all=bw.keeps(size))
+        bw.gradients(rs, strip, kept, two_float(d_row, bw.cdt))
+    return bw.finish(q, k, v)
 
-    strips = T.forward_strips()
-    covered = torch.zeros(Nq, dtype=torch.bool)
-    # P and dP of a strip, and the products, live in buffers reused from strip to strip:
-    # allocating them anew hands glibc fresh mappings, and every fresh page costs a fault.
-    per_strip = [G * (st.stop - st.start) * sum(r.stop - r.start for r in st.runs) for st in strips]
-    # the largest P a strip keeps between its phases (strips beyond STRIP_KEEP recompute it)
-    keep_max = max((n for n in per_strip if B * Hkv * n <= STRIP_KEEP), default=0)
-    run_max = max(
-        (G * (st.stop - st.start) * (r.stop - r.start) for st in strips for r in st.runs),
-        default=0,
-    )
-    ws = max(keep_max, run_max)
-    p_buf, dp_buf = (torch.empty(B * Hkv * ws, dtype=cdt, device=q.device) for _ in "pd")
-    o_max = max((G * max(st.stop - st.start, r.stop - r.start) for st in strips for r in st.runs),
-                default=0)  # fmt: skip
-    o_buf = torch.empty(B * Hkv * o_max * max(D, Dv), dtype=cdt, device=q.device)
-    w_buf = torch.empty(0 if delta is not None else 2 * B * Hkv * run_max, dtype=wide)
 
-    def row_sums(p: torch.Tensor, dp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class _Backward:
+    """`backward_loop`'s state and phases: the inputs as the products read them, the
+    gradients being summed, and buffers reused from strip to strip (allocating them anew hands
+    glibc fresh mappings, and every fresh page costs a fault)."""
+
+    def __init__(self, T, q, k, v, stats: RowStats, dout, dlse, delta) -> None:
+        plan = self.plan = T.plan
+        self.T = T
+        B, Hkv, G, Nq, Nk = plan.batch, plan.kv_heads, plan.groups, plan.q_len, plan.kv_len
+        D, Dv = plan.head_dim, plan.v_dim
+        self.shape = (B, Hkv, G, Nq, D, Dv)
+        cdt = self.cdt = T.cdt
+        self.delta = delta
+        self.qs = q.to(cdt).reshape(B, Hkv, G, Nq, D)
+        # Garbage in masked-out keys/values must not turn 0-weight gradients into NaN: the
+        # backward reads them with NaN/inf zeroed (a copy; it never reads values to decide).
+        self.kc = torch.nan_to_num(k.to(cdt), nan=0.0, posinf=0.0, neginf=0.0)
+        self.vc = torch.nan_to_num(v.to(cdt), nan=0.0, posinf=0.0, neginf=0.0)
+        if dout is None:
+            self.do5 = torch.zeros(B, Hkv, G, Nq, Dv, dtype=cdt, device=q.device)
+        else:
+            self.do5 = dout.to(cdt).reshape(B, Hkv, G, Nq, Dv)
+        self.hi5 = stats.hi.reshape(B, Hkv, G, Nq)
+        self.lo5 = None if stats.lo is None else stats.lo.reshape(B, Hkv, G, Nq)
+        self.l5 = None if stats.l is None else stats.l.reshape(B, Hkv, G, Nq)
+        self.dl5 = None if dlse is None else dlse.to(WIDE).reshape(B, Hkv, G, Nq)
+        self.dq = torch.empty(B, Hkv, G, Nq, D, dtype=cdt, device=q.device)
+        self.dk = torch.zeros(B, Hkv, Nk, D, dtype=cdt, device=q.device)
+        self.dv = torch.zeros(B, Hkv, Nk, Dv, dtype=cdt, device=q.device)
+        self.ks = keep_scale(plan.dropout_p)
+        self.params = plan.score_mod.params if plan.score_mod is not None else ()
+        self.dparams = [torch.zeros_like(t, dtype=WIDE) for t in self.params]
+        self.strips = T.forward_strips()
+        self.covered = torch.zeros(Nq, dtype=torch.bool)
+        self._buffers(q.device)
+
+    def _buffers(self, device) -> None:
+        B, Hkv, G, _, D, Dv = self.shape
+        strips, cdt = self.strips, self.cdt
+        self.per_strip = [
+            G * (st.stop - st.start) * sum(r.stop - r.start for r in st.runs) for st in strips
+        ]
+        # the largest P a strip keeps between its phases (strips beyond STRIP_KEEP recompute it)
+        keep_max = max((n for n in self.per_strip if B * Hkv * n <= STRIP_KEEP), default=0)
+        run_max = max(
+            (G * (st.stop - st.start) * (r.stop - r.start) for st in strips for r in st.runs),
+            default=0,
+        )
+        ws = max(keep_max, run_max)
+        self.p_buf, self.dp_buf = (torch.empty(B * Hkv * ws, dtype=cdt, device=device)
+                                   for _ in "pd")  # fmt: skip
+        o_max = max((G * max(st.stop - st.start, r.stop - r.start) for st in strips
+                     for r in st.runs), default=0)  # fmt: skip
+        self.o_buf = torch.empty(B * Hkv * o_max * max(D, Dv), dtype=cdt, device=device)
+        n_w = 0 if self.delta is not None else 2 * B * Hkv * run_max
+        self.w_buf = torch.empty(n_w, dtype=WIDE)
+
+    def keeps(self, size: int) -> bool:
+        """Whether a strip of `size` P elements per (b, kv head) keeps P and dP between its
+        phases."""
+        B, Hkv = self.shape[:2]
+        return B * Hkv * size <= STRIP_KEEP
+
+    def row_sums(self, p: torch.Tensor, dp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ_j p_ij, Σ_j p_ij dp_ij), `(…, 1)` each, the products exact, summed in float64."""
-        a = w_buf[: p.numel()].view(p.shape).copy_(p)
-        b = w_buf[p.numel() : 2 * p.numel()].view(p.shape).copy_(dp)
+        a = self.w_buf[: p.numel()].view(p.shape).copy_(p)
+        b = self.w_buf[p.numel() : 2 * p.numel()].view(p.shape).copy_(dp)
         return a.sum(-1, keepdim=True), a.mul_(b).sum(-1, keepdim=True)
 
-    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         shape = (*a.shape[:-1], b.shape[-1])
-        return torch.matmul(a, b, out=o_buf[: math.prod(shape)].view(shape))
+        return torch.matmul(a, b, out=self.o_buf[: math.prod(shape)].view(shape))
 
-    def key_side(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
+    def key_side(self, a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
         """`aᵀ b` for a `(B, Hkv, G·n, w)`, b `(B, Hkv, G·n, X)` → `(B, Hkv, w, X)`: one
         product per query head of the group, then summed over the group (as the reference's
         broadcast does), not one dot product G·n long."""
+        B, Hkv, G = self.shape[:3]
         if G == 1:
-            return product(a.transpose(-1, -2), b)
+            return self.product(a.transpose(-1, -2), b)
         a5 = a.view(B, Hkv, G, n, a.shape[-1]).transpose(-1, -2)
-        return product(a5, b.view(B, Hkv, G, n, b.shape[-1])).sum(2)
+        return self.product(a5, b.view(B, Hkv, G, n, b.shape[-1])).sum(2)
 
-    def probs(rs: _RowStrip, run, at: int):
+    def probs(self, rs: _RowStrip, run, at: int):
         """(P, dP of the dropped weights, the dropout keep-mask or None, the score modifier's
         graph or None) of one run of a strip's rows, into the buffers at offset `at`."""
+        plan, T = self.plan, self.T
         i0, i1, j0, j1 = rs.i0, rs.i1, run.start, run.stop
-        shape = (B, Hkv, rs.q_t.shape[2], j1 - j0)
+        shape = (*self.shape[:2], rs.q_t.shape[2], j1 - j0)
         size = math.prod(shape)
         s = torch.matmul(
-            rs.q_t, kc[:, :, j0:j1].transpose(-1, -2), out=p_buf[at : at + size].view(shape)
-        ).mul_(plan.scale)
+            rs.q_t, self.kc[:, :, j0:j1].transpose(-1, -2),
+            out=self.p_buf[at : at + size].view(shape),
+        ).mul_(plan.scale)  # fmt: skip
         _, graph = T.scores(s, i0, i1, j0, j1, [(i0, i1, a, b) for a, b in run.partial], True)
         p = s.sub_(rs.hi)
         if rs.lo is not None:
@@ -408,81 +439,95 @@ def backward_loop(
         if rs.l is not None:
             p.div_(rs.l)
         dp = torch.matmul(
-            rs.do_t, vc[:, :, j0:j1].transpose(-1, -2), out=dp_buf[at : at + size].view(shape)
-        )
+            rs.do_t, self.vc[:, :, j0:j1].transpose(-1, -2),
+            out=self.dp_buf[at : at + size].view(shape),
+        )  # fmt: skip
         keep = None
         if plan.dropout_p > 0:
             keep = T.keep(i0, i1, j0, j1).reshape(shape)
-            dp.mul_(keep).mul_(ks)
+            dp.mul_(keep).mul_(self.ks)
         return p, dp, keep, graph
 
-    for strip, size in zip(strips, per_strip, strict=True):
+    def row_strip(self, strip) -> _RowStrip:
+        B, Hkv, G, _, D, Dv = self.shape
         i0, i1 = strip.start, strip.stop
         n = i1 - i0
-        covered[i0:i1] = True
+        self.covered[i0:i1] = True
         rows = (B, Hkv, G * n, 1)
-        q_t = qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
-        do_t = do5[:, :, :, i0:i1].reshape(B, Hkv, G * n, Dv)
-        rs = _RowStrip(
-            i0,
-            i1,
-            q_t,
-            do_t,
-            hi5[:, :, :, i0:i1].reshape(rows),
-            None if lo5 is None else lo5[:, :, :, i0:i1].reshape(rows),
-            None if l5 is None else l5[:, :, :, i0:i1].reshape(rows),
-        )
-        keep_all = B * Hkv * size <= STRIP_KEEP
 
-        # Phase 1: D_i = Σ_j P_ij dP_ij (− dlse_i), from the P and dP phase 2 uses.
-        kept = []
-        if delta is not None:
-            d_row = delta.reshape(B, Hkv, G, Nq)[:, :, :, i0:i1].reshape(rows).to(wide)
-        else:
-            p_sum = torch.zeros(rows, dtype=wide, device=q.device)
-            d_row = torch.zeros(rows, dtype=wide, device=q.device)
-            at = 0
-            for run in strip.runs:
-                p, dp, keep, graph = probs(rs, run, at if keep_all else 0)
-                sp, spd = row_sums(p, dp)
-                p_sum += sp
-                d_row += spd
-                if keep_all:
-                    kept.append((p, dp, keep, graph))
-                    at += p.numel()
-            # Σ_j P_ij is 1 up to rounding (of l, of P): dividing by it makes Σ_j dS_ij exactly
-            # −dlse_i·Σ_j P_ij, so dP − D_i never carries 1 − Σ_j P_ij, which is all a peaked
-            # row's gradient is made of.
-            d_row /= torch.where(p_sum > 0, p_sum, 1.0)
-            if dl5 is not None:
-                d_row -= dl5[:, :, :, i0:i1].reshape(rows)
-        d_hi, d_lo = two_float(d_row, cdt)
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, :, :, i0:i1].reshape(rows)
 
-        # Phase 2: dS = P ∘ (dP − D_i), and the three gradients.
-        dq_t = torch.zeros(B, Hkv, G * n, D, dtype=wide, device=q.device)
+        q_t = self.qs[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
+        do_t = self.do5[:, :, :, i0:i1].reshape(B, Hkv, G * n, Dv)
+        hi = cut(self.hi5)
+        assert hi is not None
+        return _RowStrip(i0, i1, q_t, do_t, hi, cut(self.lo5), cut(self.l5))
+
+    def row_terms(self, rs: _RowStrip, strip, keep_all: bool) -> tuple[list, torch.Tensor]:
+        """Phase 1: `(the runs' P and dP where the strip keeps them, D_i)`, D_i = Σ_j P_ij dP_ij
+        (− dlse_i) from the P and dP phase 2 uses, or the given `delta`'s rows."""
+        B, Hkv, G, Nq = self.shape[:4]
+        i0, i1 = rs.i0, rs.i1
+        rows = (B, Hkv, G * (i1 - i0), 1)
+        kept: list = []
+        if self.delta is not None:
+            d = self.delta.reshape(B, Hkv, G, Nq)[:, :, :, i0:i1].reshape(rows).to(WIDE)
+            return kept, d
+        p_sum = torch.zeros(rows, dtype=WIDE, device=rs.q_t.device)
+        d_row = torch.zeros(rows, dtype=WIDE, device=rs.q_t.device)
+        at = 0
+        for run in strip.runs:
+            p, dp, keep, graph = self.probs(rs, run, at if keep_all else 0)
+            sp, spd = self.row_sums(p, dp)
+            p_sum += sp
+            d_row += spd
+            if keep_all:
+                kept.append((p, dp, keep, graph))
+                at += p.numel()
+        # Σ_j P_ij is 1 up to rounding (of l, of P): dividing by it makes Σ_j dS_ij exactly
+        # −dlse_i·Σ_j P_ij, so dP − D_i never carries 1 − Σ_j P_ij, which is all a peaked
+        # row's gradient is made of.
+        d_row /= torch.where(p_sum > 0, p_sum, 1.0)
+        if self.dl5 is not None:
+            d_row -= self.dl5[:, :, :, i0:i1].reshape(rows)
+        return kept, d_row
+
+    def gradients(self, rs: _RowStrip, strip, kept: list, d: tuple) -> None:
+        """Phase 2: dS = P ∘ (dP − D_i) (D_i as a two-float `d`), and the three gradients."""
+        B, Hkv, G, _, D, _ = self.shape
+        n = rs.i1 - rs.i0
+        d_hi, d_lo = d
+        dq_t = torch.zeros(B, Hkv, G * n, D, dtype=WIDE, device=rs.q_t.device)
         for r, run in enumerate(strip.runs):
             j0, j1 = run.start, run.stop
-            p, dp, keep, graph = kept[r] if kept else probs(rs, run, 0)
-            k_t = kc[:, :, j0:j1]
-            dv[:, :, j0:j1].add_(key_side(p if keep is None else p * keep * ks, do_t, n))
+            p, dp, keep, graph = kept[r] if kept else self.probs(rs, run, 0)
+            k_t = self.kc[:, :, j0:j1]
+            pd = p if keep is None else p * keep * self.ks
+            self.dv[:, :, j0:j1].add_(self.key_side(pd, rs.do_t, n))
             ds = dp.sub_(d_hi).sub_(d_lo).mul_(p)
             if graph is not None:  # back through the score modifier, into its parameters too
                 x, y = graph
                 grads = torch.autograd.grad(
-                    y, (x, *params), ds.view(y.shape).to(y.dtype), allow_unused=True
+                    y, (x, *self.params), ds.view(y.shape).to(y.dtype), allow_unused=True
                 )
                 ds = ds.copy_(grads[0].view(ds.shape))
-                for acc_g, g in zip(dparams, grads[1:], strict=True):
+                for acc_g, g in zip(self.dparams, grads[1:], strict=True):
                     if g is not None:
                         acc_g.add_(g)
-            dq_t.add_(product(ds, k_t))
-            dk[:, :, j0:j1].add_(key_side(ds, q_t, n))
-        dq[:, :, :, i0:i1] = dq_t.view(B, Hkv, G, n, D)
-    dq[:, :, :, ~covered] = 0  # rows with no kept tile
-    dq = dq.mul_(plan.scale).reshape(B, plan.heads, Nq, D)  # in place: no second O(N·d) copy
-    dk = dk.mul_(plan.scale)
-    dparams = [g.to(t.dtype) for g, t in zip(dparams, params, strict=True)]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
+            dq_t.add_(self.product(ds, k_t))
+            self.dk[:, :, j0:j1].add_(self.key_side(ds, rs.q_t, n))
+        self.dq[:, :, :, rs.i0 : rs.i1] = dq_t.view(B, Hkv, G, n, D)
+
+    def finish(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+        plan = self.plan
+        D = self.shape[4]
+        self.dq[:, :, :, ~self.covered] = 0  # rows with no kept tile
+        # in place: no second O(N·d) copy
+        dq = self.dq.mul_(plan.scale).reshape(plan.batch, plan.heads, plan.q_len, D)
+        dk = self.dk.mul_(plan.scale)
+        dparams = [g.to(t.dtype) for g, t in zip(self.dparams, self.params, strict=True)]
+        return dq.to(q.dtype), dk.to(k.dtype), self.dv.to(v.dtype), dparams
 
 
 # ------------------------------------------------------------------ one kv group at a time
