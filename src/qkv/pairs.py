@@ -6,7 +6,7 @@ Nq × Nk problem, validated once by `qkv.plan.make_plan` and carried by the plan
 `plan.pairs`. Every consumer reads it: `qkv.layout.layout_for(pairs, ...)` builds the kept
 tiles from it, the reference backend takes its dense mask (`dense`) and the sdpa backend its
 `attn_mask`, received attention asks it about a band of query rows (`band`), and the custom ops
-carry it as named arguments (`op_args` / `from_op`). The rule itself is written once, in
+carry it as named arguments (`OpPairs`, read back by `from_op`). The rule itself is written once, in
 `qkv.layout.allowed`.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import limits
-from .cache import handle, lookup
+from .cache import lookup
 from .layout import BlockLayout, allowed, causal_hidden, dense_allowed
 from .masks import ChosenBlocks, Mask
 
@@ -192,10 +192,6 @@ class Pairs:
             for b in range(batch)
             for g in range(kv_heads)
         ]
-
-    def op_args(self) -> OpPairs:
-        """The description as a custom op's arguments (`from_op` rebuilds it)."""
-        return OpPairs(self.mask, self.bias, self.causal, handle(self.rule), handle(self.layout))
 
     @classmethod
     def from_op(cls, q_len: int, kv_len: int, args: OpPairs | tuple[Any, ...]) -> Pairs:
