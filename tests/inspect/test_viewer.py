@@ -72,3 +72,20 @@ def test_the_opening_state_is_embedded_and_checked():
     for bad in ({"word": "cat"}, {"word": 6}, {"word": -1}, {"layer": 2}, {"head": 3}):
         with pytest.raises(AttendError):
             opening(amap, **bad)
+
+
+def test_the_docs_copy_of_the_viewer_is_the_template_of_today():
+    """docs/labs/attend/viewer.html (written by the command in docs/labs.md) is today's
+    template around its data: a template change must regenerate it."""
+    from pathlib import Path
+
+    from qkv.inspect.viewer import PLACEHOLDER
+
+    root = Path(__file__).resolve().parents[2]
+    template = (root / "src" / "qkv" / "inspect" / "viewer.html").read_text(encoding="utf-8")
+    before, after = template.split(PLACEHOLDER)
+    copy = (root / "docs" / "labs" / "attend" / "viewer.html").read_text(encoding="utf-8")
+    assert copy.startswith(before) and copy.endswith(after), (
+        "regenerate it: qkv attend --token it --target cat --out docs/labs/attend"
+    )
+    assert _embedded(copy)["words"], "with its data"
