@@ -73,6 +73,7 @@ def test_bounded_in_bytes_least_recently_used_first():
     assert big.numel() == 10_000 and cache.info().bytes <= 12000
 
 
+@pytest.mark.slow
 def test_owners_are_never_confused_by_a_reused_id():
     cache = Cache(max_bytes=2**20)
     for i in range(50):  # new objects often reuse a dead one's id()
@@ -110,6 +111,7 @@ def test_bigbird_memory_is_per_block_not_quadratic():
     assert held < 1 << 20, held  # the picks, O(blocks · n_random) per length
 
 
+@pytest.mark.slow
 def test_many_threads_share_the_cache():
     # 6 threads × many calls raised KeyError at the LRU's popitem.
     qkv.clear_caches()

@@ -206,6 +206,7 @@ def test_torch_func_over_a_score_modifier_says_what_works():
     assert_error_ratio(got, want, want)
 
 
+@pytest.mark.slow
 def test_first_call_under_compile_registers_the_ops():
     """`import qkv` leaves the custom ops unregistered (a light import); a fresh process whose
     first attention call is being traced registers them then and still gets one graph."""

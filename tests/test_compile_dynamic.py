@@ -220,6 +220,7 @@ def test_multi_head_attention_with_a_kv_cache_decodes_in_as_many_graphs_as_sdpa(
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_a_transformers_model_prefills_and_decodes_in_as_many_graphs_as_eager(calibration):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -59,6 +59,7 @@ def _run(cache: Path, **env: str) -> tuple[str, str, str]:
     return name, reason, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["corrupted", "truncated", "empty"])
 def test_a_damaged_library_is_never_loaded(tmp_path, damage):
     lib = _good_build(tmp_path) / f"{build.NAME}.so"
@@ -73,6 +74,7 @@ def test_a_damaged_library_is_never_loaded(tmp_path, damage):
     assert "compiling the CPU attention kernel" in stderr
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_with_a_good_build_runs_the_kernel(tmp_path):
     _good_build(tmp_path)
     name, reason, stderr = _run(tmp_path, READ_ONLY="1")
@@ -80,6 +82,7 @@ def test_a_read_only_cache_with_a_good_build_runs_the_kernel(tmp_path):
     assert "compiling" not in stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["read-only", "not a folder"])
 def test_a_cache_that_cannot_be_written_is_a_reason(tmp_path, how):
     if how == "read-only":
@@ -92,6 +95,7 @@ def test_a_cache_that_cannot_be_written_is_a_reason(tmp_path, how):
     assert "cannot be written" in reason and "QKV_CACHE_DIR" in reason
 
 
+@pytest.mark.slow
 def test_leftovers_of_a_killed_build_are_cleared(tmp_path):
     """What a killed build leaves (its own build folder, half-written files) is removed by the
     next build, which does not wait for them."""
@@ -105,6 +109,7 @@ def test_leftovers_of_a_killed_build_are_cleared(tmp_path):
     assert not list(folder.glob(f"{build.BUILDING}*")) and not list(folder.glob("*.part"))
 
 
+@pytest.mark.slow
 def test_a_failed_build_is_retried_by_qkv_build(tmp_path):
     """A recorded failure stops later processes from retrying, but not `qkv build`."""
     env = {**os.environ, "QKV_CACHE_DIR": str(tmp_path), "CXX": "/no/such/c++"}
@@ -129,6 +134,7 @@ _BUILD = (
 )
 
 
+@pytest.mark.slow
 def test_a_build_killed_half_way_does_not_stop_the_next(tmp_path):
     """SIGKILL of the process group compiling the kernel (an OOM kill, a closed terminal, a CI
     timeout), then a new process: it builds (it does not wait for the dead one) and loads."""

@@ -102,6 +102,7 @@ def _vm_size_after_import() -> int:
     return int(line.split()[1]) * 1024
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("n", "what"), [(16384, "reference"), (32768, "sdpa")])
 def test_an_address_space_limit_is_honoured(n, what):
     """Under `ulimit -v` (RLIMIT_AS) 1 GiB above what `import qkv` maps, a 2-3 GiB step is

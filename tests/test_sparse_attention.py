@@ -66,6 +66,7 @@ def test_pattern_fp64_nq_lt_nk_gqa_and_lse(name):
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["longformer", "document"])
 def test_gradcheck_fp64(name):
     q, k, v = make_qkv(B=1, H=2, Nq=20, D=4, dtype=torch.float64, requires_grad=True)

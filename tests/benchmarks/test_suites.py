@@ -41,6 +41,7 @@ def test_the_suites_are_found_by_name(capsys):
         load_suite("nope")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SUITES)
 def test_each_suite_dry_runs_and_renders(name: str, tmp_path):
     out = tmp_path / "benchmarks.md"

@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 MODULE = [sys.executable, "-m", "qkv.examples.long_context"]
 
 
+@pytest.mark.slow
 def test_example_runs_checks_and_reports():
     args = ["--nproc", "2", "--seq-len", "1024", "--check-len", "64", "--backward"]
     proc = subprocess.run(

@@ -29,6 +29,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "name"), CASES)
 def test_spawned(world, name):
     per_rank = _run(world)

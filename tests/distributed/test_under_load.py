@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import qkv.distributed as qd
 
 from . import _checks, _spawn
@@ -32,6 +34,7 @@ def _repeated_fp64(rank, world):
     return {"ring_fp64_repeated": "\n".join(fails) or None}
 
 
+@pytest.mark.slow
 def test_ring_fp64_agrees_under_a_competing_cpu_load():
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

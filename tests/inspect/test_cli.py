@@ -50,6 +50,7 @@ def test_bad_input_is_a_clear_message_and_exit_code(argv, message):
 # --------------------------------------------------------------------------- attend
 
 
+@pytest.mark.slow
 def test_attend_reports_the_models_weight(minilm, cat_map, capsys, tmp_path):
     out = tmp_path / "attend"
     argv = ["attend", "--token", "it", "--out", str(out), "--json", str(tmp_path / "w.json")]
@@ -196,6 +197,7 @@ def tiny_labs(monkeypatch) -> None:
     )
 
 
+@pytest.mark.slow
 def test_demo_writes_its_report(minilm, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from qkv.inspect import bench, demo
@@ -233,6 +235,7 @@ def test_explain_html_writes_the_page_you_can_touch(tmp_path, capsys):
     assert "d_k is one of 1, 2, 4, 8, 16, 64" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo_in_chinese_writes_its_report_and_pages_in_chinese(minilm, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from qkv.inspect import bench, demo

@@ -172,6 +172,7 @@ def test_text_in_a_script_without_a_font_leaks_no_warnings(tmp_path):
         attention_grid(_map(["猫", "坐", "🐱"], "猫坐 🐱"), tmp_path / "cjk.png")
 
 
+@pytest.mark.slow
 def test_attend_with_dollar_signs_writes_its_pictures(minilm, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "attend"
@@ -255,6 +256,7 @@ def test_ctrl_c_during_bench_writes_what_was_measured(monkeypatch, tmp_path, cap
     assert err.strip().endswith("qkv bench: interrupted") and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_real_process_exits_130_without_a_traceback(tmp_path):
     script = f"""
 {INT_HANDLER}
@@ -277,6 +279,7 @@ sys.exit(main(["bench", "--sizes", "32,64", "--methods", "tiled", "--passes", "f
     assert len(json.loads((tmp_path / "b.json").read_text())["records"]) == 1
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_demo_writes_the_finished_sections(
     minilm, monkeypatch, tmp_path, capsys, sigint_raises
 ):

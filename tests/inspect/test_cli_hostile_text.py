@@ -22,6 +22,7 @@ def test_a_long_word_names_its_pictures_by_a_bounded_slug():
     assert slug("") and slug("!!") == "__"
 
 
+@pytest.mark.slow
 def test_a_long_word_writes_its_pictures(minilm, tmp_path, capsys):
     word = "b" * 300
     out = tmp_path / "out"

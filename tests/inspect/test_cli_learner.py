@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from qkv.cli import main
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_the_command_quietly_with_code_0():
     """`qkv explain | head -1`: the reader leaves after one line; no "Broken pipe", code 0."""
     script = (

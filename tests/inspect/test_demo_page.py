@@ -230,6 +230,7 @@ def _write(out: Path, lang: str) -> Path:
     return index
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_the_report_reads_on_a_laptop_and_on_a_wide_screen(tmp_path, lang):
     sync_playwright, chromium = _browser()

@@ -347,6 +347,7 @@ BREAKS = {
 }
 
 
+@pytest.mark.slow
 def test_the_page_is_flash_steps_and_every_control_works(chromium, html, tmp_path):
     path = tmp_path / "flash.html"
     path.write_text(html, encoding="utf-8")

@@ -43,6 +43,7 @@ def _agrees(m: dict, seed: int, dk: int, causal: bool, scale: float | None = Non
     _close(m["Out"], st.out, "Out")
 
 
+@pytest.mark.slow
 def test_the_page_is_the_formula_and_every_control_works(tmp_path):
     sync_playwright, chromium = _browser()
     path = write_formula_page(tmp_path / "explain.html")

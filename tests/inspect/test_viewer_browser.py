@@ -103,6 +103,7 @@ def _agree(shown, expected):
     assert strong <= {word for word, _ in shown}
 
 
+@pytest.mark.slow
 def test_click_shows_the_words_weights_in_chromium(minilm, tmp_path):
     sync_playwright, chromium = _browser()
     words = (EXAMPLE.lower().split() * 13)[:126]  # single-token words: 126 + [CLS] + [SEP]
@@ -282,6 +283,7 @@ def _hover_cell(page, i, j) -> str:
     return page.inner_text("#readout")
 
 
+@pytest.mark.slow
 def test_the_heatmap_shows_the_weight_of_the_hovered_cell(tmp_path):
     sync_playwright, chromium = _browser()
     amap = _map(WORDS)
@@ -459,6 +461,7 @@ def test_the_new_modes_speak_chinese(tmp_path):
         assert errors == []
 
 
+@pytest.mark.slow
 def test_both_screens_show_every_mode_without_sideways_scrolling(tmp_path):
     """At 1280×800 and 1920×1080, in each mode, nothing sticks out to the right: not the
     controls, not the heatmap, not the overview's rollout column; the wide screen's width is
@@ -520,6 +523,7 @@ def _opens_on(page, amap, word: int, layer: int, head: int) -> None:
     _agree(_shown(page), _expected(amap, layer, head, word))
 
 
+@pytest.mark.slow
 def test_the_viewer_opens_on_the_question_it_was_given(tmp_path):
     """`write_viewer(..., word=, layer=, head=)` opens on that word selected at that layer and
     head (the demo's "it" at the head most specific to "cat"), in either language, and says
@@ -583,6 +587,7 @@ def test_the_opening_check_fails_on_a_page_that_ignores_the_question(tmp_path):
         browser.close()
 
 
+@pytest.mark.slow
 def test_nothing_in_the_viewer_is_out_of_reach_on_a_laptop(tmp_path):
     """At 1280×800, every table, canvas and drawing of the viewer can be read or scrolled to,
     in each mode, with a long word and with 700 words (a heatmap, at two pixels a cell, wider

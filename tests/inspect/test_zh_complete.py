@@ -601,6 +601,7 @@ def test_a_map_without_a_model_name_is_named_in_chinese():
     assert summary(amap, "cat").startswith("attention (2 layers × 3 heads)")
 
 
+@pytest.mark.slow
 def test_qkv_attend_says_its_files_in_chinese(minilm, tmp_path, capsys):
     from qkv.cli import main
 

@@ -61,6 +61,7 @@ def test_register_checked_the_predicates():
     assert hf._TRUSTED is True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padding", ["absent", "all-real", "left"])
 @pytest.mark.parametrize("family", list(MODELS))
 def test_prefill_compiles_in_one_graph(family, padding):
@@ -109,6 +110,7 @@ def _decode(m, ids, am, steps, total, step_fn=None):
     return torch.cat(out, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(MODELS))
 def test_static_cache_decode_step_compiles_in_one_graph(family):
     # transformers' recipe for compiled decoding: a StaticCache filled by an eager prefill,
@@ -145,6 +147,7 @@ def test_static_cache_decode_step_compiles_in_one_graph(family):
     assert torch.equal(got, want)
 
 
+@pytest.mark.slow
 def test_static_cache_decode_step_under_inductor():
     model = _llama()
     ids, am = padded_ids(97, [12, 7], 12, side="left")
@@ -188,6 +191,7 @@ def test_packed_batch_compiles_in_one_graph():
     assert_error_ratio(got, want, gold, what="compiled packed logits")
 
 
+@pytest.mark.slow
 def test_training_step_compiles_with_padding():
     model = _llama()
     ids, am = padded_ids(97, [16, 11], 16, side="left")

@@ -264,12 +264,14 @@ def _run_fresh(tmp_path, **env):
     return reason, proc.stderr
 
 
+@pytest.mark.slow
 def test_without_a_compiler_qkv_works_and_says_why(tmp_path):
     reason, _ = _run_fresh(tmp_path, CXX=str(tmp_path / "no-such-c++"))
     assert "the compiled CPU kernel is unavailable: no C++ compiler" in reason
     assert "no-such-c++" in reason and "qkv build" in reason
 
 
+@pytest.mark.slow
 def test_a_failed_build_is_recorded_with_its_error_and_not_retried(tmp_path):
     # A "compiler" that answers questions (--version) but fails every compilation: the first
     # process tries, fails and records the compiler's error; the second reads the reason and

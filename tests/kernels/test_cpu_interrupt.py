@@ -47,6 +47,7 @@ print("SAME", same)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which,n", [("forward", 65536), ("backward", 16384)])
 def test_ctrl_c_stops_a_long_call_and_leaves_the_kernel_usable(which, n):
     require_kernel()

@@ -174,6 +174,7 @@ def quick():
     return sparse.run(sparse.QUICK, progress=False)
 
 
+@pytest.mark.slow
 def test_the_quick_run_keeps_the_far_answer_with_chosen_blocks_and_loses_it_with_the_window(
     quick,
 ):
