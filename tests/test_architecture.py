@@ -306,6 +306,48 @@ def test_the_length_check_counts_a_function_from_def_to_its_last_line():
     assert long_functions(ast.parse(method)) == [("long", LONGEST + 1)]
 
 
+def backend_hooks() -> set[str]:
+    """The methods of `qkv.kernels.base.Backend`: the hooks dispatch calls."""
+    tree = ast.parse((SRC / "kernels" / "base.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Backend")
+    return {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+def hooks_by_name(tree: ast.AST, hooks: set[str]) -> list[tuple[int, str]]:
+    """(line, hook) of every `getattr(x, "hook", …)` / `hasattr(x, "hook")` of a hook."""
+    return [
+        (node.lineno, node.args[1].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value in hooks
+    ]
+
+
+def test_no_backend_hook_is_looked_up_by_name():
+    """Every backend subclasses `Backend`, whose hooks have defaults: code calls them, never
+    asks whether a backend has one."""
+    hooks = backend_hooks()
+    assert {"why_not", "forward", "auto_skip", "why_not_received"} <= hooks
+    found = [
+        f"{'/'.join(parts)}:{line} looks up {hook!r} by name"
+        for path, parts in _modules()
+        for line, hook in hooks_by_name(ast.parse(path.read_text()), hooks)
+    ]
+    assert not found, "\n".join(found)
+    code = "skip = getattr(backend, 'auto_skip', None)\nok = hasattr(b, 'received')\n"
+    assert [h for _, h in hooks_by_name(ast.parse(code), hooks)] == ["auto_skip", "received"]
+
+
+def test_every_backend_is_a_backend():
+    from qkv.kernels import BACKENDS, Backend
+
+    assert all(isinstance(b, Backend) for b in BACKENDS.values())
+
+
 def test_import_qkv_is_light_and_submodules_are_one_attribute_away():
     code = (
         "import sys, qkv\n"

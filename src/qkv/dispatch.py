@@ -1,8 +1,8 @@
 """Choose a backend for a plan, and say why every other one was not chosen.
 
 Two operations are dispatched the same way: attention (`choose`: every backend runs it) and
-received attention, the column sums of A (`choose_received`: the backends that declare it,
-`qkv.kernels.base.ReceivedBackend`). `auto` takes the first backend in `BACKENDS` order that
+received attention, the column sums of A (`choose_received`: the backends that override
+`Backend.why_not_received` and `received`). `auto` takes the first backend in `BACKENDS` order that
 runs the request exactly; a named backend that cannot is an error, never a silent fallback.
 """
 
@@ -56,9 +56,9 @@ def resolve_backend(backend: object) -> Backend | None:
             return BACKENDS[backend]
         names = ", ".join(repr(n) for n in (AUTO, *BACKENDS))
         raise ValueError(f"backend={backend!r} is unknown; expected one of {names}")
-    if callable(getattr(backend, "why_not", None)) and callable(getattr(backend, "forward", None)):
-        return backend  # type: ignore[return-value]
-    raise TypeError(
+    if isinstance(backend, Backend):
+        return backend
+    raise TypeError(  # a backend object: a qkv.kernels.Backend
         f"backend must be a backend name or a backend object, got {type(backend).__name__}"
     )
 
@@ -175,10 +175,9 @@ def _auto(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     def refusal(candidate: Backend) -> str | None:
         nonlocal basis
         why = candidate.why_not(plan, q, k, v)
-        auto_skip = getattr(candidate, "auto_skip", None)
-        if why is None and auto_skip is not None:
-            why = auto_skip(plan)
-            if basis is None and hasattr(candidate, "auto_basis"):
+        if why is None:
+            why = candidate.auto_skip(plan)
+            if basis is None:
                 basis = functools.partial(candidate.auto_basis, plan)
         return why
 

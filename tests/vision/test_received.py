@@ -223,7 +223,7 @@ def test_received_attention_runs_what_dispatch_chose(monkeypatch):
     dispatch = importlib.import_module("qkv.dispatch")  # `qkv.dispatch` is the function
     q, k, _ = make_qkv(B=1, H=4, Nq=10, D=8)
 
-    class First:
+    class First(qkv.kernels.Backend):
         name = "first"
 
         def why_not(self, plan, q, k, v):

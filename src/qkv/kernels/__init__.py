@@ -12,13 +12,13 @@ import Triton, and nothing here builds or loads the compiled CPU kernel: that ha
 is first considered for a CPU request (`qkv build` does it ahead of time).
 
 Received attention (`qkv.received_attention`, the column sums of A) is a second operation that a
-backend declares (`base.ReceivedBackend`): `tiled` computes it for every request, a band of query
-rows at a time; the others decline, and dispatch says so (`received_refusal`).
+backend declares (`Backend.why_not_received` and `received`): `tiled` computes it for every
+request, a band of query rows at a time; the others decline, and dispatch says so.
 """
 
 import os
 
-from .base import Backend, ReceivedBackend, Result, received_refusal
+from .base import Backend, Result, received_refusal
 from .cpu import crossover, isa
 from .cpu.backend import CpuBackend
 from .reference import ReferenceBackend
@@ -46,7 +46,6 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "CpuBackend",
-    "ReceivedBackend",
     "ReferenceBackend",
     "Result",
     "SdpaBackend",

@@ -10,14 +10,15 @@ differentiable with respect to q, k and v (and lse, for backends that return it)
 `why_not` is the honest half of the contract: it returns None when the backend computes exactly
 the requested semantics, otherwise one sentence a user can read saying why not.
 
-A backend may also compute received attention, the column sums of A (`qkv.received_attention`):
-it declares so with the two methods of `ReceivedBackend`, `why_not_received` and `received`.
-Dispatch asks `received_refusal`, which gives a backend without them its reason.
+Every backend subclasses `Backend`: `why_not` and `forward` are its own; the other hooks have
+defaults that decline, so dispatch calls every hook directly, never looks one up by name:
+- `auto_skip` / `auto_basis`: a preference of `auto` (a measured one: it passes a backend over
+  for a request another runs faster), not a limit; None by default;
+- `why_not_received` / `received`: received attention, the column sums of A
+  (`qkv.received_attention`); by default a backend has no such operation and says so.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
@@ -26,31 +27,38 @@ from ..plan import AttentionPlan
 Result = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-class Backend(Protocol):
-    name: str
+class Backend:
+    """The contract (module docstring): subclass it, set `name`, write `why_not` and `forward`,
+    and override the other hooks where the backend has something to say."""
+
+    name: str = ""
 
     def why_not(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> str | None:
         """None if this backend can run the plan exactly, else the reason it cannot."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} does not say what it runs")
 
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
         """Compute `(out, lse, weights)` for a plan that `why_not` accepted."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} computes no attention")
 
+    def auto_skip(self, plan: AttentionPlan) -> str | None:
+        """Why `auto` passes this backend over for a plan it runs exactly (None: it does not):
+        a measured preference, not a limit."""
+        return None
 
-class ReceivedBackend(Protocol):
-    """The received-attention operation, for a backend that computes it (the plan is the one
-    `qkv.received_attention` makes: k stands in for v; the tensors are canonical 4-D)."""
-
-    name: str
+    def auto_basis(self, plan: AttentionPlan) -> str | None:
+        """Which measurement decided `auto_skip` for the plan (None: none did)."""
+        return None
 
     def why_not_received(self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor) -> str | None:
-        """None if this backend computes received attention for the plan, else why not."""
-        ...
+        """None if this backend computes received attention for the plan (the plan is the one
+        `qkv.received_attention` makes: k stands in for v; the tensors are canonical 4-D), else
+        why not."""
+        return f"{self.name} has no received-attention operation (the column sums of A)"
 
     def received(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | None
@@ -58,15 +66,11 @@ class ReceivedBackend(Protocol):
         """`Σ_i A[b, h, i, j]`, `(B, H, Nk)` in the plan's compute dtype, not differentiable;
         given the `(B, H, Nq)` lse of the same problem, A = exp(S − lse), not normalised again.
         Rows that may attend nowhere add 0."""
-        ...
+        raise NotImplementedError(self.why_not_received(plan, q, k))
 
 
 def received_refusal(
     backend: Backend, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor
 ) -> str | None:
-    """Why `backend` cannot compute received attention for the plan (None: it can); a backend
-    without `ReceivedBackend`'s methods declines with its own sentence."""
-    why_not = getattr(backend, "why_not_received", None)
-    if not callable(why_not) or not callable(getattr(backend, "received", None)):
-        return f"{backend.name} has no received-attention operation (the column sums of A)"
-    return why_not(plan, q, k)
+    """Why `backend` cannot compute received attention for the plan (None: it can)."""
+    return backend.why_not_received(plan, q, k)

@@ -10,10 +10,10 @@ import torch
 
 from .. import reference
 from ..plan import AttentionPlan
-from .base import Result
+from .base import Backend, Result
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     name = "reference"
 
     def why_not(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..plan import AttentionPlan
-from .base import Result
+from .base import Backend, Result
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -93,7 +93,7 @@ def auto_passes_over(plan: AttentionPlan) -> str | None:
     return None
 
 
-class SdpaBackend:
+class SdpaBackend(Backend):
     name = "sdpa"
 
     def why_not(

@@ -38,7 +38,7 @@ import torch
 
 from ...plan import AttentionPlan
 from .. import sdpa
-from ..base import Result
+from ..base import Backend, Result
 from . import crossover
 from .build import KernelUnavailable, load
 from .isa import ENV as ISA_ENV
@@ -118,7 +118,7 @@ _RUNS: dict[str, tuple[str | None, str | None]] = {}  # QKV_CPU_ISA's value -> (
 kernel_status._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-class CpuBackend:
+class CpuBackend(Backend):
     """qkv's compiled CPU kernel (module docstring). `block_q`: query rows per tile, forward and
     backward (default `default_block_q`); a tile is always 64 keys wide."""
 

@@ -17,7 +17,7 @@ import torch
 
 from ...numerics import once_differentiable
 from ...plan import AttentionPlan
-from ..base import Result
+from ..base import Backend, Result
 from . import received as received_op
 from .fused import FusedStrips
 from .steps import (
@@ -86,7 +86,7 @@ class _ScoreModAttention(torch.autograd.Function):
         return *grads[:3], None, None, *grads[3:]
 
 
-class TiledBackend:
+class TiledBackend(Backend):
     """Our FlashAttention-2 in PyTorch.
 
     `block_q × block_k` is the tile of the layout (the unit that can be skipped); a matrix

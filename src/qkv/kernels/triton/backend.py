@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from ...plan import AttentionPlan
-from ..base import Result
+from ..base import Backend, Result
 from .runtime import interpreting, triton_available
 
 INSTALL_HINT = "pip install 'qkv[triton]' (or pip install triton)"
@@ -58,7 +58,7 @@ def _host():
     return triton_host
 
 
-class TritonBackend:
+class TritonBackend(Backend):
     """FlashAttention-2 in Triton (see the module docstring).
 
     `TritonBackend()` picks tile sizes by head dim (`default_config`); pass `block_m`/`block_n`
