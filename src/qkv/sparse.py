@@ -126,17 +126,15 @@ def select_blocks(
     last = [min((r + 1) * block, max(Nq, 1)) - 1 + (Nk - Nq) for r in range(nqs)]
     own = [min(x // block, nks - 1) for x in last]
     reach = own if causal else [nks - 1] * nqs
-    settings = (topk, threshold, 1 / math.sqrt(max(D, 1)), local, sink)
+    scale = 1 / math.sqrt(max(D, 1))
     with torch.no_grad():
-        kp = pooled_k.detach().float()
+        kp = pooled_k.float()
         ops = loaded() if _kernel_chooses(q, kp) else None
         if ops is not None:  # one call: pooled queries, scores and the choice
             cap, share = -1 if topk is None else topk, 0.0 if threshold is None else threshold
-            index = ops.choose_blocks(
-                q.detach(), kp, block, own, reach, cap, share, settings[2], local, sink
-            )
+            index = ops.choose_blocks(q, kp, block, own, reach, cap, share, scale, local, sink)
         else:
-            index = _choose_torch(q, kp, block, own, reach, *settings)
+            index = _choose_torch(q, kp, block, own, reach, topk, threshold, scale, local, sink)
     how = f"topk={topk}" if threshold is None else f"threshold={threshold}, topk={topk}"
     return ChosenBlocks(
         index.cpu(), block, heads=H, q_len=Nq, kv_len=Nk, causal=causal,
