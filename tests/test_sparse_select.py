@@ -188,13 +188,16 @@ def test_the_cpu_kernel_runs_each_kv_head_over_its_own_tiles(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("flag", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("nq,nk,block,block_q", [(300, 300, 64, 64), (700, 900, 128, 32),
-                                                 (7, 1000, 64, 16)])  # fmt: skip
-def test_the_direct_tile_lists_hold_exactly_the_chosen_pairs(nq, nk, block, block_q, causal):
+                                                 (7, 1000, 64, 16), (1, 1000, 64, 64),
+                                                 (900, 700, 128, 32)])  # fmt: skip
+def test_the_direct_tile_lists_hold_exactly_the_chosen_pairs(nq, nk, block, block_q, causal, flag):
+    # `flag`: the problem's causal flag beside the choice's own (either makes the rows causal)
     q, k, _ = make_qkv(B=1, H=4, Hkv=2, Nq=nq, Nk=nk, D=8, seed=5)
     chosen = select_blocks(q, k, block=block, topk=3, sink=1, causal=causal)
-    pairs = Pairs(nq, nk, rule=chosen)
+    pairs = Pairs(nq, nk, causal=flag, rule=chosen)
     layouts = chosen_layouts(pairs, pairs.kv_choice(1, 2), block_q)
     assert layouts is not None and len(layouts) == 2
     view, lay = chosen.group(0, 1), layouts[1]
@@ -212,7 +215,10 @@ def test_the_direct_tile_lists_hold_exactly_the_chosen_pairs(nq, nk, block, bloc
                 word = int(bits[code, r]) & (2**64 - 1)
                 for c in range(cols.stop - cols.start):
                     allowed[rows.start + r, cols.start + c] = bool(word >> c & 1)
-    assert torch.equal(allowed, view.to_dense(nq, nk))
+    want = view.to_dense(nq, nk)
+    if flag:
+        want &= torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+    assert torch.equal(allowed, want)
     # the backward's columns hold the same tiles
     assert sorted(zip(lay.row_idx.tolist(), lay.code_t.tolist(), strict=True)) == sorted(
         zip(torch.repeat_interleave(torch.arange(lay.row_ptr.numel() - 1),

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -573,14 +573,105 @@ def block_layout(
     return held
 
 
-def row_intervals(rule: Any, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(lo, hi)`, each int64 `(R, Nq)`: the keys query row i may reach are exactly the union of
-    [lo[k, i], hi[k, i]] (unclipped; empty where lo > hi), for a rule with exact key ranges
-    (`Mask.exact_ranges`); None for other rules. Rows sit at positions i + Nk − Nq."""
-    if rule is None or not rule.exact_ranges:
+def causal_last(q_len: int, kv_len: int, causal: bool) -> torch.Tensor | None:
+    """int64 `(Nq,)`: the last key each query row may see under the causal rule (bottom-right:
+    row i's position, i + Nk − Nq; negative: none), or None where the rule hides no key: without
+    the flag, and for a single query row (a decoding step's), which sits at the last key."""
+    if not causal or q_len <= 1:
         return None
-    pos = torch.arange(kv_len - q_len, kv_len)
-    return rule.key_ranges(pos, pos, kv_len)
+    return torch.arange(kv_len - q_len, kv_len)
+
+
+def row_intervals(
+    rule: Any, q_len: int, kv_len: int, causal: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """`(lo, hi)`, each int64 `(R, Nq)` or None (lo: from key 0, hi: to the last key): the keys
+    query row i may reach are exactly the union of [lo[k, i], hi[k, i]] (unclipped; empty where
+    lo > hi) under a rule with exact key ranges (`Mask.exact_ranges`; None: every key) and the
+    causal flag (`causal_last`); None for other rules. Rows sit at positions i + Nk − Nq."""
+    if rule is not None and not rule.exact_ranges:
+        return None
+    last = causal_last(q_len, kv_len, causal)
+    if rule is None:
+        return None, None if last is None else last[None]
+    pos = torch.arange(kv_len - q_len, kv_len) if last is None else last  # the same positions
+    lo, hi = rule.key_ranges(pos, pos, kv_len)
+    return lo, hi if last is None else torch.minimum(hi, last)
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """How the tiles of one problem are found, decided once from its `qkv.pairs.Pairs`
+    (`tile_plan`), for a kernel that reads each tile row's allowed keys as bits and may take
+    ragged tile origins (the compiled CPU kernel):
+
+    - `intervals`: each query row's allowed keys are a union of intervals (`row_keys`), which a
+      one-pass builder turns into tiles: no mask, a rule with exact key ranges, a bool mask
+      tensor the same for every query row (key padding), with the causal flag. Otherwise the
+      tiles are `layout_for`'s, and the bits are `allowed`'s (a rule without exact ranges, a
+      mask that varies by row, a held layout);
+    - `segments`: a rule alone (no mask tensor, no held layout): where it packs sequences
+      (`Mask.segments`), tiles cut at their boundaries may keep fewer than the uniform grid
+      (`cut`)."""
+
+    pairs: Any
+    block_q: int
+    block_k: int
+    intervals: bool
+    segments: bool
+
+    def row_keys(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """`(lo, hi, keys)` where `intervals`: the rows' key intervals (`row_intervals`, the
+        causal rule in them) and the key mask `(B|1, H|1, Nk|1)` every row shares (None: no
+        mask). O(Nq) memory, made when asked."""
+        p = self.pairs
+        lo, hi = row_intervals(p.rule, p.q_len, p.kv_len, p.causal)
+        return lo, hi, None if p.mask is None else p.mask[:, :, 0, :].cpu()
+
+    def cut(self, uniform_tiles: int) -> SegmentTiles | None:
+        """The tiles cut at the segments (`segment_tiles`) where they keep no more tiles than
+        the uniform grid's `uniform_tiles`; None otherwise, and without a list of candidates
+        four times that many (the cut could not win; this bounds its cost)."""
+        if not self.segments:
+            return None
+        p = self.pairs
+        cut = segment_tiles(
+            p.q_len, p.kv_len, self.block_q, self.block_k, causal=p.causal, rule=p.rule,
+            max_candidates=4 * uniform_tiles,
+        )  # fmt: skip
+        return cut if cut is not None and cut.rows.numel() <= uniform_tiles else None
+
+
+def tile_plan(pairs: Any, block_q: int, block_k: int) -> TilePlan:
+    """How the `block_q × block_k` tiles of `pairs` are found (`TilePlan`)."""
+    rule, mask, free = pairs.rule, pairs.mask, pairs.layout is None  # free: not held
+    intervals = (
+        free
+        and pairs.q_len > 0
+        and pairs.kv_len > 0
+        and (rule is None or rule.exact_ranges)
+        and (mask is None or mask.shape[2] == 1)
+    )
+    return TilePlan(pairs, block_q, block_k, intervals, free and rule is not None and mask is None)
+
+
+class ChosenTiles(NamedTuple):
+    """Blocks chosen per (b, kv head) (`Pairs.kv_choice`) as a one-pass builder reads them:
+    blocks of `block` keys (whole key tiles holding whole query tiles), and the last key each
+    query row may see (`last`, int64 `(Nq,)`, negative: none; None: every key)."""
+
+    block: int
+    last: torch.Tensor | None
+
+
+def chosen_tiles(pairs: Any, block_q: int, block_k: int) -> ChosenTiles | None:
+    """The `ChosenTiles` of a problem whose rule is blocks chosen per (b, kv head), or None
+    where the blocks are not whole tiles (the tiles of each group's own layout then). The
+    causal rule, the choice's or the problem's, gives the rows' `last` keys (`causal_last`)."""
+    rule, nq, nk = pairs.rule, pairs.q_len, pairs.kv_len
+    if rule.block % block_k or rule.block % block_q or nq == 0 or nk == 0:
+        return None
+    return ChosenTiles(rule.block, causal_last(nq, nk, rule.causal or pairs.causal))
 
 
 def dense_kinds(rule: Any, nq: int, nk: int, block_q: int, block_k: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from qkv import masks
 from qkv.cache import CACHE
 from qkv.kernels.cpu import tile_encoding as lay
-from qkv.layout import EMPTY, FULL, PARTIAL, block_layout, layout_for
+from qkv.layout import EMPTY, FULL, PARTIAL, block_layout, layout_for, segment_tiles, tile_plan
 from qkv.plan import make_plan
 
 from ..helpers import make_qkv
@@ -230,14 +230,17 @@ def test_packed_segments_cut_the_tiles_at_their_boundaries(cu_q, cu_k, causal):
     q, k, v = make_qkv(B=1, H=2, Nq=nq, Nk=nk, D=8)
     pairs = make_plan(q, k, v, mask=rule).pairs
     uniform = layout_for(pairs, 32, 64).nnz
-    L = lay.segment_layout(pairs, 32, uniform)
-    assert L is not None and L.q_starts is not None and L.k_starts is not None
+    cut = segment_tiles(nq, nk, 32, 64, rule=rule)
+    assert cut is not None
+    L = lay.encode_segments(pairs, cut, 32)
+    assert L.q_starts is not None and L.k_starts is not None
     qs, ks = _starts(L)
     assert set(cu_q.tolist()) <= set(qs) and set(cu_k.tolist()) <= set(ks)
     assert torch.equal(_dense(L, 1, 1)[0, 0], rule.dense4(nq, nk)[0, 0])
     if not causal:  # bidirectional segments: every kept tile is FULL, no bits at all
         assert L.partial_tiles == 0
     # the kernel takes the cut where it keeps no more tiles than the grid
+    assert (tile_plan(pairs, 32, 64).cut(uniform) is not None) == (L.kept_tiles <= uniform)
     assert (lay.kernel_layout(pairs, 32).q_starts is not None) == (L.kept_tiles <= uniform)
 
 
@@ -276,7 +279,7 @@ def test_a_key_mask_layout_equals_the_general_encoding(nq, nk, shape, causal, p,
     if shape[-1] == 1:
         mask = torch.ones(shape, dtype=torch.bool)
     pairs = _pairs(mask, causal, nq, nk)
-    fast = lay.interval_layout(pairs, block_q)
+    fast = _one_pass(pairs, block_q)
     assert fast is not None
     slow = lay.encode(pairs, layout_for(pairs, block_q, lay.BLOCK_K))
     for name in ("row_ptr", "col_idx", "code", "col_ptr", "row_idx", "code_t", "bits"):
@@ -306,7 +309,7 @@ def test_a_rule_with_exact_ranges_builds_in_one_pass(name, block_q, causal, nq):
     rule = EXACT[name]
     assert rule.exact_ranges
     pairs = _pairs(rule, causal, nq, 200)
-    fast = lay.interval_layout(pairs, block_q)
+    fast = _one_pass(pairs, block_q)
     assert fast is not None and fast.bits.shape[1:3] == (1, 1)
     want = rule.dense4(nq, 200)[0, 0]
     if causal:
@@ -318,6 +321,13 @@ def test_a_rule_with_exact_ranges_builds_in_one_pass(name, block_q, causal, nq):
     assert bool((mine[slow == FULL] == FULL).all())
 
 
+def _one_pass(pairs, block_q: int) -> lay.CpuLayout | None:
+    """The arrays the kernel's one pass builds from the rows' key intervals."""
+    plan = tile_plan(pairs, block_q, lay.BLOCK_K)
+    assert plan.intervals
+    return lay.encode_intervals(plan)
+
+
 def _needs_kernel():
     from qkv.kernels import cpu
 
@@ -325,10 +335,9 @@ def _needs_kernel():
         pytest.skip(f"the compiled kernel builds the interval layout: {cpu.status()}")
 
 
-def test_the_interval_layout_declines_other_masks():
-    _needs_kernel()
+def test_the_one_pass_build_declines_other_masks():
     pairs = _pairs(_key_mask((2, 1, 200, 200), 0.8, 0), False)  # varies by row
-    assert lay.interval_layout(pairs, 64) is None
+    assert not tile_plan(pairs, 64, 64).intervals
     for rule in (
         masks.dilated_window(4, 2),  # not an interval
         masks.padding([200, 70]),  # differs by batch element
@@ -337,7 +346,7 @@ def test_the_interval_layout_declines_other_masks():
         masks.strided(8),
     ):
         assert not rule.exact_ranges
-        assert lay.interval_layout(_pairs(rule, False), 64) is None
+        assert not tile_plan(_pairs(rule, False), 64, 64).intervals
 
 
 def test_a_decoding_loop_keeps_one_entry_shared_by_the_layers_of_a_step():

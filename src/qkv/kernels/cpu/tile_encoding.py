@@ -2,8 +2,10 @@
 
 The tiles themselves come from `qkv.layout` — the one place that works out which tiles are
 EMPTY, PARTIAL or FULL — as `layout_for(pairs, block_q, 64)` (or the `BlockLayout` the caller
-holds, when it has these tile sizes). A tile is 64 keys wide, so a tile row's allowed keys fit
-in one uint64. This module only re-encodes that layout for the kernel:
+holds, when it has these tile sizes), and how they are found — from the rows' key intervals,
+tile by tile, or cut at packed segments — is `qkv.layout.tile_plan`'s decision (and
+`qkv.layout.chosen_tiles`'s for blocks chosen per head). A tile is 64 keys wide, so a tile row's
+allowed keys fit in one uint64. This module only encodes those tiles for the kernel:
 
 - `row_ptr (nqb + 1)`, `col_idx (nnz)`, `code (nnz)`: the kept tiles of each query-tile row,
   left to right (the layout's compressed rows); a tile's code is `TILE_FULL` (−1) or its index
@@ -17,17 +19,19 @@ in one uint64. This module only re-encodes that layout for the kernel:
   grid (query tile i at row i·block_q, key tile j at key 64·j).
 
 Packed sequences (a mask with `Mask.segments`: `document`, `varlen`) may get tiles cut at the
-segment boundaries instead (`segment_layout`): each segment's rows in pieces of at most block_q,
+segment boundaries instead (`encode_segments`): each segment's rows in pieces of at most block_q,
 its keys in pieces of at most 64, and only a segment's own tiles kept. Short segments that do not
 start on a multiple of 64 (the windows of a vision encoder) then cost one tile each instead of
 pieces of two or three; the cut is taken when it keeps no more tiles than the uniform grid.
 
 Where each query row's allowed keys are a union of intervals (no mask; a rule with exact key
 ranges, `Mask.exact_ranges`: windows, causal, global tokens, documents, prefix LM and their
-unions and intersections; a key-padding bool tensor), the kernel's `tile_layout` builds the
-arrays in one pass over the tiles (`interval_layout`): at N = 2048 a tenth of a millisecond to
-half a millisecond, at 65,536 a few. Other masks are examined with `qkv.layout.allowed` on the
-PARTIAL tiles only, a chunk of tiles at a time, so memory stays O(kept tiles).
+unions and intersections; a key-padding bool tensor; the causal rule among them), the kernel's
+`tile_layout` builds the arrays from those intervals, which `qkv.layout.row_intervals` works out,
+in one pass over the tiles (`encode_intervals`): at N = 2048 a tenth of a millisecond to half a
+millisecond, at 65,536 a few. The C++ never decides which pairs a rule allows. Other masks are
+examined with `qkv.layout.allowed` on the PARTIAL tiles only, a chunk of tiles at a time, so
+memory stays O(kept tiles).
 
 `kernel_layout` keeps the result in qkv's cache (`qkv.cache.CACHE`): per Mask (held weakly) for
 structured masks, by shape for plain and causal problems, never for bool mask tensors (their
@@ -45,10 +49,12 @@ import torch
 from ...cache import CACHE
 from ...layout import (
     BlockLayout,
+    SegmentTiles,
+    TilePlan,
     allowed,
+    chosen_tiles,
     layout_for,
-    row_intervals,
-    segment_tiles,
+    tile_plan,
 )
 from ...pairs import Pairs
 from .build import loaded
@@ -164,19 +170,10 @@ def encode(pairs: Pairs, lay: BlockLayout) -> CpuLayout:
     )
 
 
-def segment_layout(pairs: Pairs, block_q: int, uniform_tiles: int) -> CpuLayout | None:
-    """The layout with tiles cut at the segment boundaries of `pairs`'s packed-sequence mask
-    (module docstring; the tiles from `qkv.layout.segment_tiles`), or None when the mask has no
-    segments or the cut's candidate tiles outnumber the uniform grid's kept tiles
-    (`uniform_tiles`) fourfold (it could not win; this bounds its cost)."""
-    if pairs.rule is None or pairs.mask is not None or pairs.layout is not None:
-        return None
-    cut = segment_tiles(
-        pairs.q_len, pairs.kv_len, block_q, BLOCK_K, causal=pairs.causal, rule=pairs.rule,
-        max_candidates=4 * uniform_tiles,
-    )  # fmt: skip
-    if cut is None:
-        return None
+def encode_segments(pairs: Pairs, cut: SegmentTiles, block_q: int) -> CpuLayout:
+    """The tiles `cut` at the segment boundaries of `pairs`'s packed-sequence rule (module
+    docstring; `qkv.layout.TilePlan.cut`) as the kernel's arrays, with the bits of their
+    PARTIAL tiles."""
     partial = (~cut.full).nonzero().view(-1)
     code = torch.full((cut.rows.numel(),), TILE_FULL, dtype=torch.int32)
     code[partial] = torch.arange(partial.numel(), dtype=torch.int32)
@@ -201,46 +198,35 @@ def segment_layout(pairs: Pairs, block_q: int, uniform_tiles: int) -> CpuLayout 
     )
 
 
-def interval_layout(pairs: Pairs, block_q: int) -> CpuLayout | None:
+def encode_intervals(plan: TilePlan) -> CpuLayout | None:
     """The arrays `encode(layout_for(...))` gives (the same allowed pairs; a tile the rule's
-    bounds leave PARTIAL may be FULL here), built by the kernel's `tile_layout` in one pass over
-    the tiles, for problems whose allowed keys are intervals per query row: no mask, a rule with
-    exact key ranges (`Mask.exact_ranges`: windows, causal, global tokens, documents, prefix LM
-    and their unions and intersections), a bool mask tensor the same for every query row
-    `(B|1, H|1, 1, Nk|1)` (key padding), with the causal flag. Microseconds for a decoding
-    step, a few milliseconds at 64k tokens, where the tile-by-tile examination with torch
-    operations costs tens. None where it does not apply (a rule without exact ranges, a mask
-    that varies by row, a held layout) or the kernel is not loaded."""
-    rule, m = pairs.rule, pairs.mask
-    if pairs.layout is not None or pairs.q_len == 0 or pairs.kv_len == 0:
-        return None
-    if (rule is not None and not rule.exact_ranges) or (m is not None and m.shape[2] != 1):
-        return None
+    bounds leave PARTIAL may be FULL here) of a problem whose allowed keys are intervals per
+    query row (`plan.intervals`: the rows' intervals and key mask from `plan.row_keys`), built
+    by the kernel's `tile_layout` in one pass over the tiles: microseconds for a decoding step,
+    a few milliseconds at 64k tokens, where the tile-by-tile examination with torch operations
+    costs tens. None where the kernel is not loaded."""
     ops = loaded()
     if ops is None:
         return None
-    lo = hi = keys = None
-    if rule is not None:
-        lo, hi = row_intervals(rule, pairs.q_len, pairs.kv_len)
-    if m is not None:
-        bm, hm = mask_dims(pairs)
-        keys = m[:, :, 0, :].cpu().expand(bm, hm, pairs.kv_len)
-    arrays = ops.tile_layout(lo, hi, keys, pairs.q_len, pairs.kv_len, block_q, pairs.causal)
-    return CpuLayout(block_q, pairs.q_len, pairs.kv_len, *arrays)
+    pairs = plan.pairs
+    lo, hi, keys = plan.row_keys()
+    if keys is not None:
+        keys = keys.expand(*mask_dims(pairs), pairs.kv_len)
+    arrays = ops.tile_layout(lo, hi, keys, pairs.q_len, pairs.kv_len, plan.block_q)
+    return CpuLayout(plan.block_q, pairs.q_len, pairs.kv_len, *arrays)
 
 
 def _chosen_arrays(pairs: Pairs, choice: torch.Tensor, block_q: int) -> list[torch.Tensor] | None:
     """Every (b, kv head)'s arrays of a choice (`Pairs.kv_choice`), read straight from its
-    block lists by the kernel's `chosen_layout` (csrc/chosen_blocks.cpp) when the blocks are
-    whole key tiles and hold whole query tiles (block a multiple of 64 and of block_q): each
-    chosen block's tiles FULL, the causal diagonal's PARTIAL. None otherwise."""
-    rule, nq, nk = pairs.rule, pairs.q_len, pairs.kv_len
-    if rule.block % BLOCK_K or rule.block % block_q or nq == 0 or nk == 0:
+    block lists by the kernel's `chosen_layout` (csrc/chosen_blocks.cpp) where
+    `qkv.layout.chosen_tiles` says the blocks are whole tiles: each chosen block's tiles FULL
+    up to the rows' last keys, PARTIAL across them. None otherwise."""
+    tiles = chosen_tiles(pairs, block_q, BLOCK_K)
+    if tiles is None:
         return None
     ops = loaded()
     assert ops is not None, "the cpu kernel's ops run with the kernel loaded"
-    causal = rule.causal or pairs.causal
-    return ops.chosen_layout(choice.flatten(0, 1), rule.block, nq, nk, block_q, causal)
+    return ops.chosen_layout(choice, tiles.last, tiles.block, pairs.q_len, pairs.kv_len, block_q)
 
 
 def chosen_forward(pairs: Pairs, choice: torch.Tensor, block_q: int) -> CpuLayout | None:
@@ -313,13 +299,13 @@ def joined(layouts: list[CpuLayout]) -> CpuLayout:
 
 
 def _build(pairs: Pairs, block_q: int) -> CpuLayout:
-    uniform = interval_layout(pairs, block_q)
+    """The arrays of the tiles `qkv.layout.tile_plan` says how to find."""
+    plan = tile_plan(pairs, block_q, BLOCK_K)
+    uniform = encode_intervals(plan) if plan.intervals else None
     if uniform is None:
         uniform = encode(pairs, layout_for(pairs, block_q, BLOCK_K))
-    cut = segment_layout(pairs, block_q, uniform.kept_tiles)
-    if cut is not None and cut.kept_tiles <= uniform.kept_tiles:
-        return cut
-    return uniform
+    cut = plan.cut(uniform.kept_tiles)
+    return uniform if cut is None else encode_segments(pairs, cut, block_q)
 
 
 def kernel_layout(pairs: Pairs, block_q: int) -> CpuLayout:
@@ -328,8 +314,7 @@ def kernel_layout(pairs: Pairs, block_q: int) -> CpuLayout:
     step) keeps a single entry per (Mask, Nq, causal) for the latest key length: every layer of
     a step shares it, and a loop over growing lengths pins no entry per length."""
     if pairs.mask is not None:
-        fast = interval_layout(pairs, block_q)
-        return fast if fast is not None else encode(pairs, layout_for(pairs, block_q, BLOCK_K))
+        return _build(pairs, block_q)
     shape = (pairs.q_len, block_q, pairs.causal, *mask_dims(pairs))
     if pairs.q_len <= block_q:
         key = ("cpu-layout-step", *shape)

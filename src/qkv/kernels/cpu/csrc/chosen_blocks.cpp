@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -174,35 +175,64 @@ struct Tile {
   int32_t code;
 };
 
-// index int64 (G, nqs, kmax) ascending, −1 padded: each group's chosen key blocks of `block`
-// keys (a multiple of 64 and of block_q) per query block. Query row r sees key positions up to
-// r + nk − nq when `causal` (bottom-right). The forward and backward arrays of all groups back
-// to back: row pointers (G·(nqb + 1)) and column pointers (G·(nkb + 1)) into one tile list,
-// PARTIAL codes counted over all groups (group-major), their bits (P, 1, 1, block_q), and
-// `parts` (G + 1): where each group's PARTIAL tiles start.
-std::vector<at::Tensor> chosen_layout(const at::Tensor& index_in, int64_t block, int64_t nq,
-                                      int64_t nk, int64_t block_q, bool causal) {
-  TORCH_CHECK(index_in.dim() == 3 && index_in.scalar_type() == at::kLong,
-              "chosen_layout: index must be an int64 (G, query blocks, kmax) tensor");
+// The least and the greatest of each query tile's last visible keys: a key tile past the
+// greatest holds no key any row sees, one up to the least is whole for every row
+struct TileReach {
+  std::vector<int64_t> least, most;
+
+  TileReach(const int64_t* last, int64_t nq, int64_t nk, int64_t block_q) {
+    const int64_t nqb = (nq + block_q - 1) / block_q;
+    least.assign((size_t)nqb, nk - 1);
+    most.assign((size_t)nqb, nk - 1);
+    for (int64_t i = 0; last && i < nqb; ++i) {
+      const int64_t r0 = i * block_q, r1 = std::min(nq, r0 + block_q);
+      least[(size_t)i] = *std::min_element(last + r0, last + r1);
+      most[(size_t)i] = *std::max_element(last + r0, last + r1);
+    }
+  }
+};
+
+// index int64 (..., nqs, kmax) ascending, −1 padded: each group's (the leading dimensions,
+// flattened: G of them) chosen key blocks of `block` keys (a multiple of 64 and of block_q) per
+// query block. Query row r sees the chosen keys up to last[r] (int64 (Nq,), negative: none;
+// absent: every key): the rows' intervals, worked out in Python (`qkv.layout.chosen_tiles`).
+// The forward and backward arrays of all groups back to back: row pointers (G·(nqb + 1)) and
+// column pointers (G·(nkb + 1)) into one tile list, PARTIAL codes counted over all groups
+// (group-major), their bits (P, 1, 1, block_q), and `parts` (G + 1): where each group's
+// PARTIAL tiles start.
+std::vector<at::Tensor> chosen_layout(const at::Tensor& index_in,
+                                      const std::optional<at::Tensor>& last_in, int64_t block,
+                                      int64_t nq, int64_t nk, int64_t block_q) {
+  TORCH_CHECK(index_in.dim() >= 2 && index_in.scalar_type() == at::kLong,
+              "chosen_layout: index must be an int64 (..., query blocks, kmax) tensor");
   TORCH_CHECK(nq > 0 && nk > 0 && block_q > 0 && block % BK == 0 && block % block_q == 0,
               "chosen_layout: blocks must be whole key tiles and hold whole query tiles");
   const at::Tensor index = index_in.contiguous();
-  const int64_t G = index.size(0), nqs = index.size(1), kmax = index.size(2);
+  const int64_t nqs = index.size(-2), kmax = index.size(-1);
+  int64_t G = 1;
+  for (int64_t d = 0; d < index.dim() - 2; ++d) G *= index.size(d);
   const int64_t nqb = (nq + block_q - 1) / block_q, nkb = (nk + BK - 1) / BK, per = block / BK;
   TORCH_CHECK(nqs * block >= nq, "chosen_layout: too few query blocks for q_len");
+  at::Tensor last_t;
+  if (last_in.has_value()) {
+    last_t = last_in->contiguous();
+    TORCH_CHECK(last_t.scalar_type() == at::kLong && last_t.dim() == 1 && last_t.size(0) == nq,
+                "chosen_layout: last must be an int64 (Nq,) tensor");
+  }
+  const int64_t* last = last_in.has_value() ? last_t.data_ptr<int64_t>() : nullptr;
+  const TileReach reach(last, nq, nk, block_q);
   const int64_t* ip = index.data_ptr<int64_t>();
-  const int64_t shift = nk - nq;  // row r sits at key position r + shift
   std::vector<Tile> tiles;
   int32_t n_parts = 0;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < nqb; ++i) {
-      const int64_t r0 = i * block_q, r1 = std::min(nq, r0 + block_q);
+      const int64_t r0 = i * block_q;
       const int64_t* picks = ip + (g * nqs + r0 / block) * kmax;
       for (int64_t a = 0; a < kmax && picks[a] >= 0; ++a)
         for (int64_t j = picks[a] * per; j < (picks[a] + 1) * per && j < nkb; ++j) {
           const int64_t k_lo = j * BK, k_hi = std::min(nk, k_lo + BK) - 1;
-          if (causal && k_lo > r1 - 1 + shift) continue;  // no key visible to any row
-          const bool full = !causal || k_hi <= r0 + shift;
+          if (k_lo > reach.most[(size_t)i]) continue;  // no key visible to any row
+          const bool full = k_hi <= reach.least[(size_t)i];
           tiles.push_back({g, i, j, full ? -1 : n_parts++});
         }
     }
@@ -223,12 +253,12 @@ std::vector<at::Tensor> chosen_layout(const at::Tensor& index_in, int64_t block,
     ++cp[x.group * (nkb + 1) + x.col + 1];
     col_idx.data_ptr<int32_t>()[t] = (int32_t)x.col;
     code.data_ptr<int32_t>()[t] = x.code;
-    if (x.code < 0) continue;
+    if (x.code < 0) continue;  // a PARTIAL tile only where `last` is given
     ++pp[x.group + 1];
-    const int64_t first = x.col * BK, last = std::min(nk, first + BK) - 1;
+    const int64_t first = x.col * BK, end = std::min(nk, first + BK) - 1;
     for (int64_t r = x.row * block_q; r < std::min(nq, (x.row + 1) * block_q); ++r)
       bp[(int64_t)x.code * block_q + r - x.row * block_q] =
-          span_bits(first, std::min(last, r + shift), first);
+          span_bits(first, std::min(end, last[r]), first);
   }
   // running sums over all groups: each group's pointers start where the one before it ends
   for (int64_t a = 0; a < G * (nqb + 1) - 1; ++a) rp[a + 1] += rp[a];
@@ -254,7 +284,7 @@ TORCH_LIBRARY_FRAGMENT(qkv_cpu, m) {
       "float threshold, float scale, int local, int sink) -> Tensor",
       &qkv_cpu::choose_blocks);
   m.def(
-      "chosen_layout(Tensor index, int block, int q_len, int kv_len, int block_q, bool causal) "
+      "chosen_layout(Tensor index, Tensor? last, int block, int q_len, int kv_len, int block_q) "
       "-> Tensor[]",
       &qkv_cpu::chosen_layout);
 }

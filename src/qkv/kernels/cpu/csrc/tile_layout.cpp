@@ -1,10 +1,12 @@
 // The kernel's block layout (the arrays `CpuLayout` holds) in one pass over the tiles, for the
 // problems whose allowed keys are intervals per query row: each row r may reach the union of R
-// key intervals [lo[k, r], hi[k, r]] (a built-in rule's exact `key_ranges`; absent: every key),
-// cut by causality (bottom-right) and by a key mask `keys (Bm, Hm, Nk)` the same for every row
-// (a padded batch's, a decoding step's; absent: every key). What `qkv.layout` + `cpu/layout.py`'s
-// `encode` compute with a few dozen tensor operations per chunk of tiles, here in microseconds
-// to a few milliseconds: a new length costs a small share of its call.
+// key intervals [lo[k, r], hi[k, r]] (`qkv.layout.row_intervals`: a built-in rule's exact key
+// ranges and the causal rule, worked out in Python; lo absent: from key 0, hi absent: to the
+// last key), cut by a key mask `keys (Bm, Hm, Nk)` the same for every row (a padded batch's, a
+// decoding step's; absent: every key). Which pairs a rule allows is never decided here: only
+// the intervals are read. What `qkv.layout` + `tile_encoding.py`'s `encode` compute with a few
+// dozen tensor operations per chunk of tiles, here in microseconds to a few milliseconds: a new
+// length costs a small share of its call.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,10 +24,9 @@ namespace qkv_cpu {
 namespace {
 
 // The rows' allowed keys, as both passes read them: R intervals per row (absent: every key),
-// clamped to the keys and to causality, and the key mask's bits per (b, h) and key tile
+// clamped to the keys, and the key mask's bits per (b, h) and key tile
 struct Rows {
   int64_t nq, nk, block_q, R = 1, bm = 1, hm = 1, bh = 1, nkb;
-  bool causal;
   at::Tensor lo_t, hi_t, keys;  // kept alive: lo and hi point into them
   const int64_t* lo = nullptr;
   const int64_t* hi = nullptr;
@@ -33,23 +34,22 @@ struct Rows {
   std::vector<uint64_t> row_bits;  // tile_rows' result, block_q rows
 
   Rows(const std::optional<at::Tensor>& lo_in, const std::optional<at::Tensor>& hi_in,
-       const std::optional<at::Tensor>& keys_in, int64_t nq_, int64_t nk_, int64_t block_q_,
-       bool causal_)
-      : nq(nq_), nk(nk_), block_q(block_q_), nkb((nk_ + BK - 1) / BK), causal(causal_) {
+       const std::optional<at::Tensor>& keys_in, int64_t nq_, int64_t nk_, int64_t block_q_)
+      : nq(nq_), nk(nk_), block_q(block_q_), nkb((nk_ + BK - 1) / BK) {
     TORCH_CHECK(nq > 0 && nk > 0 && block_q > 0,
                 "tile_layout: nq, nk and block_q must be positive");
-    TORCH_CHECK(lo_in.has_value() == hi_in.has_value(),
-                "tile_layout: give both lo and hi, or none");
-    if (lo_in.has_value()) {
-      lo_t = lo_in->contiguous();
-      hi_t = hi_in->contiguous();
-      TORCH_CHECK(lo_t.scalar_type() == at::kLong && hi_t.scalar_type() == at::kLong &&
-                      lo_t.dim() == 2 && lo_t.sizes() == hi_t.sizes() && lo_t.size(1) == nq,
+    const auto bounds = [&](const std::optional<at::Tensor>& in, at::Tensor& t) -> const int64_t* {
+      if (!in.has_value()) return nullptr;
+      t = in->contiguous();
+      TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.size(1) == nq,
                   "tile_layout: lo and hi must be int64 (R, Nq) tensors");
-      R = lo_t.size(0);
-      lo = lo_t.data_ptr<int64_t>();
-      hi = hi_t.data_ptr<int64_t>();
-    }
+      R = t.size(0);
+      return t.data_ptr<int64_t>();
+    };
+    lo = bounds(lo_in, lo_t);
+    hi = bounds(hi_in, hi_t);
+    TORCH_CHECK(!lo || !hi || lo_t.sizes() == hi_t.sizes(),
+                "tile_layout: lo and hi must be int64 (R, Nq) tensors");
     if (keys_in.has_value()) {
       keys = keys_in->contiguous();
       TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kBool && keys.size(2) == nk,
@@ -72,10 +72,9 @@ struct Rows {
   uint64_t key_bits(int64_t s, int64_t j) const {
     return kbits.empty() ? low_bits(nk - j * BK) : kbits[(size_t)(s * nkb + j)];
   }
-  // interval k of row r, clamped to the keys and to causality: [a, b], empty when a > b
+  // interval k of row r, clamped to the keys: [a, b], empty when a > b
   std::pair<int64_t, int64_t> interval(int64_t k, int64_t r) const {
-    int64_t a = lo ? lo[k * nq + r] : 0, b = hi ? hi[k * nq + r] : nk - 1;
-    if (causal) b = std::min(b, r + nk - nq);
+    const int64_t a = lo ? lo[k * nq + r] : 0, b = hi ? hi[k * nq + r] : nk - 1;
     return {std::max<int64_t>(a, 0), std::min(b, nk - 1)};
   }
   // the allowed keys of rows r0 … r0 + block_q − 1 of query tile i in key tile j, before the
@@ -150,9 +149,8 @@ Kept kept_tiles(Rows& rows) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 tile_layout(const std::optional<at::Tensor>& lo_in, const std::optional<at::Tensor>& hi_in,
-            const std::optional<at::Tensor>& keys_in, int64_t nq, int64_t nk, int64_t block_q,
-            bool causal) {
-  Rows rows(lo_in, hi_in, keys_in, nq, nk, block_q, causal);
+            const std::optional<at::Tensor>& keys_in, int64_t nq, int64_t nk, int64_t block_q) {
+  Rows rows(lo_in, hi_in, keys_in, nq, nk, block_q);
   const Kept kept = kept_tiles(rows);
   const int64_t nqb = (nq + block_q - 1) / block_q, nkb = rows.nkb, bh = rows.bh;
   const int64_t nnz = (int64_t)kept.row.size();
@@ -200,8 +198,8 @@ tile_layout(const std::optional<at::Tensor>& lo_in, const std::optional<at::Tens
 
 TORCH_LIBRARY_FRAGMENT(qkv_cpu, m) {
   m.def(
-      "tile_layout(Tensor? lo, Tensor? hi, Tensor? keys, int q_len, int kv_len, int block_q, "
-      "bool causal) -> (Tensor row_ptr, Tensor col_idx, Tensor tile_code, Tensor col_ptr, "
+      "tile_layout(Tensor? lo, Tensor? hi, Tensor? keys, int q_len, int kv_len, int block_q) "
+      "-> (Tensor row_ptr, Tensor col_idx, Tensor tile_code, Tensor col_ptr, "
       "Tensor row_idx, Tensor tile_code_t, Tensor bits)",
       &qkv_cpu::tile_layout);
 }
