@@ -39,28 +39,35 @@ from pathlib import Path
 
 import torch
 
+from .isa import ISAS
+
 NAME = "qkv_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (
     "ops.cpp",
+    "inputs.cpp",
+    "schedule.cpp",
+    "isa_select.cpp",
     "tile_layout.cpp",
     "chosen_blocks.cpp",
     "peak.cpp",
-    "isa_amx.cpp",
-    "isa_avx512bf16.cpp",
-    "isa_avx512.cpp",
-    "isa_avx2.cpp",
-    "isa_portable.cpp",
+    *(f"isa_{name}.cpp" for name in ISAS),  # one translation unit per path (isa_paths.h)
 )
 HEADERS = (
     "interrupt.h",
     "placement.h",
     "problem.h",
+    "isa_paths.h",
+    "isa_select.h",
+    "inputs.h",
+    "schedule.h",
     "tile_bits.h",
     "results.h",
     "isa_unit.h",
     "isa_contract.h",
     "kernel.h",
+    "worker.h",
+    "unit_choice.h",
     "rows.h",
     "scratch.h",
     "packing.h",
@@ -141,7 +148,7 @@ def _flag(env: str, unset: str) -> str:
     if raw in ("0", "1"):
         return raw
     if raw:
-        from .isa import warn_once  # isa imports nothing of qkv
+        from .isa import warn_once
 
         warn_once(env, raw, f"{env}={raw!r} is neither 0 nor 1; read as {unset}")
     return unset

@@ -33,8 +33,8 @@ Where the tables come from, in order (`basis(isa)` says which one answers):
 2. `default`: `crossovers_default.json` in this package, one table per path, each measured on
    the machine its `measured_on` names with the same `qkv tune` (`python -m
    benchmarks.crossover_defaults` writes it); the `amx` and `avx512bf16` paths, which have
-   none, read the `avx512` one. `QKV_CROSSOVERS=default` makes `auto` read these even where a
-   calibration exists.
+   none, read the `avx512` one (the stand-ins of `csrc/isa_paths.h`). `QKV_CROSSOVERS=default`
+   makes `auto` read these even where a calibration exists.
 
 Nothing is measured on a user's call: the tables are read once per process (`clear()` forgets
 them, and `QKV_CROSSOVERS` is read again, for tests and after `qkv tune`), decisions are
@@ -63,13 +63,12 @@ from pathlib import Path
 import torch
 
 from ...plan import AttentionPlan
+from .isa import STAND_INS  # a path without a default table of its own -> the one it reads
 
 ENV = "QKV_CROSSOVERS"  # "default": ignore this machine's calibration (tests, comparisons)
 DECODE_ROWS = 16  # queries up to which a request against a longer cache is a decoding step
 CALIBRATED = "crossovers.json"
 DEFAULTS = Path(__file__).resolve().parent / "crossovers_default.json"
-# a path without a default table of its own -> the one that stands in
-STAND_INS = {"amx": "avx512", "avx512bf16": "avx512"}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

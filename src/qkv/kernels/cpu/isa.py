@@ -16,9 +16,26 @@ backend instead of the compiled kernel.
 from __future__ import annotations
 
 import os
+import re
 import warnings
+from pathlib import Path
 
-ISAS = ("amx", "avx512bf16", "avx512", "avx2", "portable")
+# The paths' one table, csrc/isa_paths.h (which the C++ includes), read here as text: a line
+# `QKV_ISA_PATH(name, default_on, stands_in)` per path, widest first, the baseline last as
+# `QKV_ISA_BASELINE(name)`. Reading it needs no built kernel.
+TABLE = Path(__file__).resolve().parent / "csrc" / "isa_paths.h"
+_LINE = re.compile(r"^QKV_ISA_(?:PATH\((\w+), *(\w+), *(\w*)\)|BASELINE\((\w+)\))$", re.M)
+
+
+def _paths() -> list[tuple[str, str]]:
+    """`(name, stands_in)` of each line of TABLE, in its order (stands_in "" for none)."""
+    return [(m[1] or m[4], m[3] or "") for m in _LINE.finditer(TABLE.read_text())]
+
+
+_PATHS = _paths()
+ISAS = tuple(name for name, _ in _PATHS)
+# a path without a default crossover table of its own -> the path whose table it reads
+STAND_INS = {name: stand for name, stand in _PATHS if stand}
 ENV = "QKV_CPU_ISA"
 
 

@@ -1,7 +1,8 @@
-// The body of every isa_*.cpp: kernel.h compiled for one instruction set, inside a namespace of
-// its own, so that one build holds every path and ops.cpp picks one per call. A unit defines
+// The body of each path's isa_<name>.cpp (isa_paths.h lists the paths): kernel.h compiled for
+// one instruction set, inside a namespace of its own, so that one build holds every path and
+// isa_select.cpp picks one per call. A unit defines
 //
-//     QKV_ISA         its namespace (amx, avx512bf16, avx512, avx2, portable), also the path's name
+//     QKV_ISA         its namespace, also the path's name (a name of isa_paths.h)
 //     QKV_ISA_TARGET  the instructions its functions may use (a target pragma; absent: the
 //                     build's baseline), x86-64 only
 //     QKV_ISA_SIMD    its SIMD layer (simd_*.h) and QKV_ISA_TILES its tile layer (tiles_amx.h,

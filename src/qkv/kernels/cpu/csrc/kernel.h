@@ -37,57 +37,18 @@
 //
 // The kernel by responsibility, in the order included below:
 //
-//     rows.h      a row at a time: dtype conversions, loads and stores, finiteness, dropout hashes
-//     scratch.h   each worker's buffers, by pass (forward, backward; the tile unit's state)
-//     packing.h   K and V tiles as the products read them (the forward's key-tile store too)
-//     scores.h    the scores both passes compute alike: products, modifiers, exact rows, exp
-//     forward.h   the forward's items: online softmax and P·V over a row of tiles, splits merged
-//     backward.h  the backward: the row pass (Δ) and the column pass (dV, dK, dQ)
+//     worker.h       what every part leans on: min/max, −inf, aligned buffers, taking items
+//     unit_choice.h  which unit runs a problem's products (the tile unit or the vector code)
+//     rows.h         a row at a time: dtype conversions, loads, stores, finiteness, dropout hashes
+//     scratch.h      each worker's buffers, by pass (forward, backward; the tile unit's state)
+//     packing.h      K and V tiles as the products read them (the forward's key-tile store too)
+//     scores.h       the scores both passes compute alike: products, modifiers, exact rows, exp
+//     forward.h      the forward's items: online softmax, P·V over a row of tiles, splits merged
+//     backward.h     the backward: the row pass (Δ) and the column pass (dV, dK, dQ)
 
 #include "isa_contract.h"
-
-static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// 64-byte-aligned memory for `bytes` (rounded up to a whole 64: aligned_alloc wants a multiple of
-// the alignment, and at least one line, so that a size of 0, D = 0, is a real block)
-static inline void* alloc64(int64_t bytes) {
-  return aligned_alloc(64, (size_t)((imax(bytes, 1) + 63) & ~int64_t(63)));
-}
-static const float NEG_INF = -__builtin_inff();
-
-// A named step of an item (fwd_item, bwd_item): inlined where it is called, so that the item
-// compiles as the one function it was written as
-#define QKV_STEP static inline __attribute__((always_inline))
-
-// A worker's part of a call (Kernels): each item it takes from the queue to run(k) until none is
-// left; run returns false, or a worker's buffers could not be had (fail), when out of memory:
-// *error is set and the worker stops.
-static void fail(int32_t* error) { __atomic_store_n(error, 1, __ATOMIC_RELAXED); }
-template <class Run>
-static void take_items(ItemQueue* items, int32_t* error, const Run& run) {
-  for (const int me = queue_join(*items);;) {
-    const int64_t k = queue_take(*items, me);
-    if (k < 0) break;
-    if (!run(k)) {
-      fail(error);
-      break;
-    }
-  }
-}
-
-// whether this problem's products run on the tile unit (bfloat16 inputs on a path that has it)
-static inline bool on_tiles(const Problem& P) { return TILE_BF16 && P.dtype == DT_BF16; }
-// whether its backward's products run on the tile unit too (bfloat16: dP, dV, dK and dQ)
-static inline bool bwd_on_tiles(const Problem& P) {
-  return on_tiles(P) && P.Dp <= TILE_PV_N && P.Dvp <= TILE_PV_N;
-}
-// whether its precise float32 scores run on the tile unit, in three bfloat16 parts (tiles_amx.h):
-// the products gemm_chain would form, same chains of 32 summed in double
-static inline bool scores_on_tiles(const Problem& P) {
-  return TILE_F32 && P.dtype == DT_F32 && P.precise_scores && !P.dot_scores && P.D <= TILE_K_MAX;
-}
-
+#include "worker.h"
+#include "unit_choice.h"
 #include "rows.h"
 #include "scratch.h"
 #include "packing.h"

@@ -119,10 +119,10 @@ double peak_gflops(const std::string& kind, double seconds) {
               "qkv_cpu: peak_gflops takes fma_f32, dp_bf16 or amx_bf16, got '", kind, "'");
   float sink = 0;
   __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const bool avx512f = __builtin_cpu_supports("avx512f");
   if (kind == "amx_bf16") return amx_usable() ? amx_bf16(seconds, &sink) : 0.0;
-  if (kind == "dp_bf16") return avx512 && __builtin_cpu_supports("avx512bf16") ? dp_bf16(seconds, 1.0f, &sink) : 0.0;
-  if (avx512) return fma_avx512(seconds, 1.0f, &sink);
+  if (kind == "dp_bf16") return avx512f && __builtin_cpu_supports("avx512bf16") ? dp_bf16(seconds, 1.0f, &sink) : 0.0;
+  if (avx512f) return fma_avx512(seconds, 1.0f, &sink);
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return fma_avx2(seconds, 1.0f, &sink);
   return 0.0;
 }

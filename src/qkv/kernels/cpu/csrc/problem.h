@@ -1,7 +1,8 @@
-// What the torch-facing code (ops.cpp) hands to the compute kernels (kernel.h, compiled once per
-// ISA): plain structs of pointers, sizes and strides, no torch types. Everything defined here
-// has internal linkage or is a plain struct, so the ISA translation units, compiled with
-// different target options, never share a function body with the baseline one.
+// What the torch side (ops.cpp, inputs.cpp, schedule.cpp) hands to the compute kernels
+// (kernel.h, compiled once per ISA): plain structs of pointers, sizes and strides, no torch
+// types. Everything defined here has internal linkage or is a plain struct, so the ISA
+// translation units, compiled with different target options, never share a function body with
+// the baseline one.
 #pragma once
 
 #include <cstdint>
@@ -272,22 +273,11 @@ struct Kernels {
   int64_t (*fwd_share_elems)(const Problem&);  // FwdPlan.kparts' size in uint32 (0: none)
 };
 
-namespace portable {
-extern const Kernels kernels;
-}
-#if defined(__x86_64__)
-namespace avx2 {
-extern const Kernels kernels;
-}
-namespace avx512 {
-extern const Kernels kernels;
-}
-namespace avx512bf16 {
-extern const Kernels kernels;
-}
-namespace amx {
-extern const Kernels kernels;
-}
-#endif
+// Each path's kernels (isa_paths.h), defined by its isa_<name>.cpp
+#define QKV_ISA_PATH(name, ...) \
+  namespace name {              \
+  extern const Kernels kernels; \
+  }
+#include "isa_paths.h"
 
 }  // namespace qkv_cpu
