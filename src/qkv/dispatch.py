@@ -4,6 +4,11 @@ Two operations are dispatched the same way: attention (`choose`: every backend r
 received attention, the column sums of A (`choose_received`: the backends that override
 `Backend.why_not_received` and `received`). `auto` takes the first backend in `BACKENDS` order that
 runs the request exactly; a named backend that cannot is an error, never a silent fallback.
+
+The policy is here, in one place, after PyTorch's `select_sdp_backend`: each backend states
+its own facts (what it runs, `why_not`; a preference, `auto_skip`; what it measured against
+another backend, `crossover`), and `auto` orders them (`BACKENDS`) and decides between the pairs
+of backends in `CROSSOVERS`; no backend asks another one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,13 @@ from .kernels import BACKENDS, Backend, dispatch_state, received_refusal
 from .plan import AttentionPlan
 
 AUTO = "auto"
+
+# auto's measured choices between two backends that both run a request exactly: a backend ->
+# the later one in `BACKENDS` order whose times its own table holds (`Backend.crossover`).
+# Where the later one would take the request (it runs it exactly and `auto_skip` does not pass
+# it over), that table decides between the two (and is the decision's `basis`); elsewhere the
+# first runs whatever it runs.
+CROSSOVERS: dict[str, str] = {"cpu": "sdpa"}
 
 
 @dataclass(frozen=True)
@@ -177,10 +189,23 @@ def _auto(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         why = candidate.why_not(plan, q, k, v)
         if why is None:
             why = candidate.auto_skip(plan)
-            if basis is None:
-                basis = functools.partial(candidate.auto_basis, plan)
+        rival = CROSSOVERS.get(candidate.name)
+        if why is None and rival is not None and _would_take(BACKENDS[rival], plan, q, k, v):
+            found = candidate.crossover(rival, plan)
+            if found is not None:
+                basis = functools.partial(candidate.crossover_basis, rival)
+                why = None if found[0] == candidate.name else found[1]
         return why
 
     chosen, reasons = _first(refusal)
     assert chosen is not None, "the reference backend accepts every valid plan"
     return Decision(chosen, reasons, basis)
+
+
+def _would_take(
+    backend: Backend, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """Whether `auto` would hand `backend` this request were it first: it runs it exactly and
+    does not pass it over (float32 gradients, for one, never go to SDPA: the next backend
+    would then be `tiled`, and the crossover has nothing to decide)."""
+    return backend.why_not(plan, q, k, v) is None and backend.auto_skip(plan) is None

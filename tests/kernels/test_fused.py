@@ -296,3 +296,30 @@ def test_fused_false_runs_the_loop(monkeypatch):
         TiledBackend(fused="yes")
     with pytest.raises(ValueError, match="rows"):
         FusedStrips(rows=0)
+
+
+def test_strips_are_sized_from_the_problem(monkeypatch):
+    """The default backend sizes its strips from the plan: packed segments (document, varlen)
+    run in segment-long strips, which the fused op receives as such; other masks in the
+    default ones; settings given to the backend are kept as they are."""
+    seen = []
+    real = fused_mod.schedule
+    monkeypatch.setattr(
+        fused_mod, "schedule", lambda plan, bq, bk, cfg: seen.append(cfg) or real(plan, bq, bk, cfg)
+    )
+    q, k, v = make_qkv(B=1, H=2, Nq=300, D=8)
+    cu = torch.tensor([0, 100, 300])
+    cases = [
+        (masks.document([100, 200]), tiled_mod.SEGMENT_STRIPS),
+        (masks.varlen(cu, cu), tiled_mod.SEGMENT_STRIPS),
+        (masks.sliding_window(20), FusedStrips()),
+    ]
+    assert FusedStrips() != tiled_mod.SEGMENT_STRIPS
+    for mask, want in cases:
+        plan = qkv.plan.make_plan(q, k, v, mask=mask, finite_inputs=True)
+        assert TiledBackend().strips_for(plan) == want
+        assert FUSED.strips_for(plan) is FUSED.fused
+        assert TiledBackend(fused=False).strips_for(plan) is None
+        with torch.no_grad():
+            qkv.attention(q, k, v, mask=mask, backend="tiled", finite_inputs=True)
+        assert seen.pop() == want

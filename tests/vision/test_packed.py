@@ -185,7 +185,7 @@ def _dispatch_varlen(q, k, v, cu, **kwargs):
 def test_packed_follows_dispatchs_choice(case, dtype, kernel, monkeypatch):
     """One source of truth: auto's layout and backend follow what `qkv.dispatch` says of the
     varlen request: varlen on its backend where that is the compiled kernel, else the waste
-    rule (varlen on VARLEN_BACKEND, padded on auto). The result is exact either way."""
+    rule (varlen on tiled, padded on auto). The result is exact either way."""
     if kernel == "declines":
         monkeypatch.setattr(qkv.kernels.CpuBackend, "why_not", lambda *a: "not here")
     q, k, v, cu = _inputs(CASES[case], H=4, Hkv=2, dtype=dtype)
@@ -196,12 +196,12 @@ def test_packed_follows_dispatchs_choice(case, dtype, kernel, monkeypatch):
         assert (layout.layout, runs_on.name) == ("varlen", "cpu")
     else:
         assert layout == plan_layout(cu, n)  # the waste rule alone
-        assert runs_on is (packed.VARLEN_BACKEND if layout.layout == "varlen" else "auto")
+        assert runs_on == ("tiled" if layout.layout == "varlen" else "auto")
     built = cpu_kernel_or("none") == "cpu"  # the kernel could be built on this machine
     assert (chosen == "cpu") == (built and kernel == "as built" and dtype != torch.float64)
     forced, runs_on = packed.plan_call(q, k, v, cu, layout="varlen")
     assert forced.layout == "varlen"
-    assert runs_on.name == "cpu" if chosen == "cpu" else runs_on is packed.VARLEN_BACKEND
+    assert runs_on.name == "cpu" if chosen == "cpu" else runs_on == "tiled"
     _, runs_on = packed.plan_call(q, k, v, cu, layout="padded")
     assert runs_on == "auto"  # padded is qkv's auto, nothing asked
     gold = _per_segment(*(t.double() for t in (q, k, v)), cu)

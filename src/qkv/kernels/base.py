@@ -12,8 +12,13 @@ the requested semantics, otherwise one sentence a user can read saying why not.
 
 Every backend subclasses `Backend`: `why_not` and `forward` are its own; the other hooks have
 defaults that decline, so dispatch calls every hook directly, never looks one up by name:
-- `auto_skip` / `auto_basis`: a preference of `auto` (a measured one: it passes a backend over
-  for a request another runs faster), not a limit; None by default;
+- `auto_skip`: a preference of `auto` (it passes a backend over for a request another runs
+  better), not a limit; None by default;
+- `crossover` / `crossover_basis`: what this backend measured against another one, for the
+  choice between the two that `qkv.dispatch` makes (`dispatch.CROSSOVERS` names the pairs);
+  None by default (nothing measured);
+- `dispatch_state`: what, besides a request, this backend's answers depend on and may change
+  in a process (settings it reads from the environment); empty by default;
 - `why_not_received` / `received`: received attention, the column sums of A
   (`qkv.received_attention`); by default a backend has no such operation and says so.
 """
@@ -50,9 +55,23 @@ class Backend:
         a measured preference, not a limit."""
         return None
 
-    def auto_basis(self, plan: AttentionPlan) -> str | None:
-        """Which measurement decided `auto_skip` for the plan (None: none did)."""
+    def crossover(self, rival: str, plan: AttentionPlan) -> tuple[str, str] | None:
+        """Which of this backend and the backend named `rival` was measured faster on requests
+        of the plan's class and size, `(winner's name, why)`, for a plan both run exactly; None
+        where this backend holds no such measurement. Dispatch decides with it (it asks only
+        where `rival` would take the request); a backend never asks another one."""
         return None
+
+    def crossover_basis(self, rival: str) -> str | None:
+        """Where the measurements `crossover` reads against `rival` come from, in words (for
+        `qkv.dispatch`; None: none)."""
+        return None
+
+    def dispatch_state(self) -> tuple:
+        """What, besides a request, this backend's answers (`why_not`, `auto_skip`,
+        `crossover`) depend on and may change in a process: part of the key under which
+        dispatch remembers auto's choices. Empty when they depend on the request only."""
+        return ()
 
     def why_not_received(self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor) -> str | None:
         """None if this backend computes received attention for the plan (the plan is the one

@@ -35,18 +35,9 @@ import torch
 from .. import masks
 from ..cache import CACHE
 from ..functional import attention, dispatch
-from ..kernels import TiledBackend
-from ..kernels.tiled.fused import FusedStrips
 
 LAYOUTS = ("auto", "padded", "varlen")
 PADDED_WASTE = 1.125  # padded when S·L² ≤ this × Σ L_s²
-
-# The varlen layout's backend: tiled, its forward on torch's fused kernel in query strips of up to
-# 2048 rows. Segments here are whole images of thousands of patches; in strips that long each
-# image reaches the fused kernel in a few large calls, about as fast as one SDPA call per image
-# (the default 64-row strips pay a per-strip cost thousands of times). The additive mask of a
-# strip that straddles two segments stays O(2048 · N), never N².
-VARLEN_BACKEND = TiledBackend(fused=FusedStrips(rows=2048, wide=1 << 20))
 
 
 @dataclass(frozen=True)
@@ -123,8 +114,8 @@ def packed_attention(
         scale: multiplies Q Kᵀ (default 1/√D).
         layout: "auto", "padded" or "varlen" (module docstring).
         backend: passed to `qkv.attention` ("auto": for varlen qkv's auto, which picks the
-            compiled CPU kernel, or else the tiled backend with 2048-row strips,
-            `VARLEN_BACKEND`; for padded qkv's auto, SDPA on these sizes).
+            compiled CPU kernel, or else the tiled backend, whose fused strips span whole
+            segments (`TiledBackend.strips_for`); for padded qkv's auto, SDPA on these sizes).
         finite_inputs: as in `qkv.attention` (the varlen layout hides the other segments' keys;
             the padded one hides only copies of a segment's own keys, which needs no promise).
 
@@ -173,7 +164,8 @@ def plan_call(
     `qkv.attention` call gets. With backend "auto" and a layout that may be varlen, the varlen
     request goes to `qkv.dispatch`: where auto would run it on the compiled CPU kernel (`cpu`),
     that backend runs it as it is (and layout "auto" becomes varlen); any other choice runs
-    varlen on `VARLEN_BACKEND`, and padded on qkv's auto."""
+    varlen on `tiled` (a kernel that skips the other segments' tiles, with strips sized for
+    packed segments), and padded on qkv's auto."""
     plan = plan_layout(cu_seqlens, q.shape[0], layout)  # checks cu_seqlens and layout
     if backend != "auto" or layout == "padded" or plan.total == 0:
         return plan, backend
@@ -183,7 +175,7 @@ def plan_call(
     )
     if decision.name == "cpu":
         return plan_layout(cu_seqlens, plan.total, layout, compiled=True), decision.backend
-    return plan, VARLEN_BACKEND if plan.layout == "varlen" else backend
+    return plan, "tiled" if plan.layout == "varlen" else backend
 
 
 def _as_one_sequence(q, k, v) -> tuple[torch.Tensor, ...]:

@@ -37,7 +37,6 @@ import os
 import torch
 
 from ...plan import AttentionPlan
-from .. import sdpa
 from ..base import Backend, Result
 from . import crossover
 from .build import KernelUnavailable, load
@@ -158,29 +157,21 @@ class CpuBackend(Backend):
             )
         return kernel_status()[1]
 
-    def auto_skip(self, plan: AttentionPlan) -> str | None:
-        """Why `auto` lets torch SDPA run a request this kernel could (None: it doesn't): only
-        requests that `auto` would hand SDPA (not those SDPA refuses or `auto` keeps from it,
-        such as float32 gradients: the next backend would then be `tiled`, slower than this
-        kernel at every size), and of those the ones where SDPA was measured faster on this
-        machine's table (`cpu.crossover`)."""
-        isa = self._decided_by_crossover(plan)
-        if isa is None:
-            return None
-        who, why = crossover.decide(plan, isa)
-        return None if who == "cpu" else why
+    def crossover(self, rival: str, plan: AttentionPlan) -> tuple[str, str] | None:
+        """`(winner, why)` between this kernel and torch SDPA from this machine's table
+        (`cpu.crossover`); None against any other backend (nothing measured)."""
+        isa = kernel_status()[0] if rival == "sdpa" else None
+        return None if isa is None else crossover.decide(plan, isa)
 
-    def auto_basis(self, plan: AttentionPlan) -> str | None:
-        """Which crossover table decided between this kernel and SDPA (None: none did)."""
-        isa = self._decided_by_crossover(plan)
+    def crossover_basis(self, rival: str) -> str | None:
+        """Which crossover table decides between this kernel and SDPA (calibrated / default)."""
+        isa = kernel_status()[0] if rival == "sdpa" else None
         return None if isa is None else crossover.basis(isa)
 
-    @staticmethod
-    def _decided_by_crossover(plan: AttentionPlan) -> str | None:
-        """The kernel's path when the crossover table decides this request, else None."""
-        if sdpa.refusal(plan) is not None or sdpa.auto_passes_over(plan) is not None:
-            return None
-        return kernel_status()[0]
+    def dispatch_state(self) -> tuple:
+        """The forced instruction-set path (`QKV_CPU_ISA`) and the generation of the crossover
+        tables (`cpu.crossover.clear()` starts a new one)."""
+        return os.environ.get(ISA_ENV, ""), crossover.generation()
 
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

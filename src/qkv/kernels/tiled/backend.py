@@ -39,6 +39,14 @@ from .steps import (
 # keys miss it from a few hundred keys on). Such a tiling refuses those float32 requests.
 NARROW_STEPS = 64
 
+# Fused strips for packed segments (a Mask with `segments`: document, varlen), such as the whole
+# images of a vision encoder, thousands of patches each: strips of up to 2048 rows bring each
+# segment to the fused kernel in a few large calls, about as fast as one SDPA call per segment,
+# where 64-row strips pay a per-strip cost thousands of times. A strip's window is its segment's
+# keys (two segments' where it straddles a boundary), so none runs alone (`wide`) and the
+# additive mask of one stays O(2048 · N), never N².
+SEGMENT_STRIPS = FusedStrips(rows=2048, wide=1 << 20)
+
 _NO_FUNC = (
     "torch.func transforms (grad, vmap, jacrev, ...) over a score modifier on the tiled backend "
     "are not supported (its backward reuses buffers a transform cannot write into); use "
@@ -96,9 +104,11 @@ class TiledBackend(Backend):
     `fused`: for a structured `qkv.masks.Mask` on the CPU, run the forward's kept tiles through
     torch's fused C++ flash kernel, batched over strips of queries (`fused.py`); the gradient
     is this kernel's own backward, which needs the loop's forward: the fused path runs when
-    no gradient will be taken (see `fused_reason`). `True` (the default) or a `FusedStrips` with its
-    knobs turns it on, `False` off. Plans the fused op cannot compute exactly (dropout, score
-    modifiers, tensor masks, …) run the loop either way."""
+    no gradient will be taken (see `fused_reason`). `True` (the default) sizes the strips from
+    the problem (`strips_for`: `SEGMENT_STRIPS` for packed segments, else `FusedStrips()`); a
+    `FusedStrips` with its knobs sets them; `False` turns the path off. Plans the fused op
+    cannot compute exactly (dropout, score modifiers, tensor masks, …) run the loop either
+    way."""
 
     name = "tiled"
 
@@ -123,13 +133,13 @@ class TiledBackend(Backend):
         self.tiling = Tiling(block_q, block_k, max_rows, max_cols)
         if not isinstance(fused, (bool, FusedStrips)):
             raise TypeError(f"fused must be a bool or a FusedStrips, got {fused!r}")
-        self.fused = FusedStrips() if fused is True else (fused or None)
+        self.fused = fused or None  # True: sized from each problem (`strips_for`)
 
     def __repr__(self) -> str:
         extra = ""
         if self.fused is None:
             extra = ", fused=False"
-        elif self.fused != FusedStrips():
+        elif self.fused is not True:
             extra = f", fused={self.fused!r}"
         return (
             f"TiledBackend({self.block_q}, {self.block_k}, max_rows={self.max_rows}, "
@@ -144,7 +154,18 @@ class TiledBackend(Backend):
             op as tiled_op,  # registers the custom ops at first use: import qkv stays light
         )
 
-        return tiled_op.fused_reason(self.fused, plan, q, k, v)
+        return tiled_op.fused_reason(self.strips_for(plan), plan, q, k, v)
+
+    def strips_for(self, plan: AttentionPlan) -> FusedStrips | None:
+        """The fused-strips settings for a plan: the backend's own where it was given some
+        (None: `fused=False`), else sized from the problem (`SEGMENT_STRIPS` for a mask of
+        packed segments, else the defaults)."""
+        if self.fused is not True:
+            return self.fused
+        rule = plan.pairs.rule
+        if rule is not None and rule.segments(plan.q_len, plan.kv_len) is not None:
+            return SEGMENT_STRIPS
+        return FusedStrips()
 
     def why_not(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -182,7 +203,7 @@ class TiledBackend(Backend):
                 op as tiled_op,  # registered at first use (also when that is under tracing)
             )
 
-            out, lse = tiled_op.attention(plan, self.tiling, self.fused, q, k, v)
+            out, lse = tiled_op.attention(plan, self.tiling, self.strips_for(plan), q, k, v)
             return out, lse, None
         # A score modifier is Python code with learnable tensors: an autograd Function.
         params = plan.score_mod.params
