@@ -150,7 +150,7 @@ def _first(
 
 # auto's decisions on plain requests (no structured mask, float bias, score modifier or
 # dropout), by everything they depend on: a call costs a dictionary lookup instead of asking
-# every backend (~5 µs, a sixth of a 30 µs call).
+# every backend (a visible share of a short call: docs/cpu.md, Measurements behind the code).
 _REMEMBERED: dict[tuple, Decision] = {}
 REMEMBER_MAX = 4096  # emptied when full (a decoding loop meets a new Nk every step)
 

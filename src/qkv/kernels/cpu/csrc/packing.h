@@ -63,12 +63,12 @@ static double key_norm_max(const Problem& P, const float* kt, int64_t kw) {
 // by the first item that reaches the tile and read by the others:
 // - float32 scores on the tile unit: the key tile's three parts, where the rows of tiles are on
 //   average longer than a worker's slots (dense, causal): there every item packed every key tile
-//   of its row afresh (the transposition, the norms and the split: 7–9% of the dense forward's
-//   samples);
+//   of its row afresh (the transposition, the norms and the split: a visible share of the dense
+//   forward's time);
 // - bfloat16 on the tile unit or the dot-product instruction (fwd_pairs_on): K as the scores' B
 //   blocks and V as P·V's, where a key tile is read by two items or more on average: packing
-//   them per item (bfloat16 → float → pairs) took a quarter of the amx path's dense N = 4096
-//   forward.
+//   them per item (bfloat16 → float → pairs) took a large share of the amx path's dense
+//   forward (both measured: docs/cpu.md, Measurements behind the code).
 // Up to KSHARE_MAX_BYTES (dense N = 4096, H = 8, D = 64: 12 MiB of parts, 8 MiB of pairs), so
 // that long sparse rows (the Longformer's memory) are not charged.
 constexpr int64_t KSHARE_MAX_BYTES = int64_t(64) << 20;
@@ -146,8 +146,8 @@ static void pack_key_tile(const Problem& P, int64_t b, int64_t hkv, int64_t c0, 
 // (exact rows read the tile's rows from w.kr) the tile is packed afresh and its slot not kept.
 // Without `keep` (an item whose row spans more tiles than the slots: walked in order, each tile
 // would leave its slot before the next item came back to it) every tile is packed into slot 0,
-// which stays in L1, instead of cycling through 16 slots' 256 KB (dense N = 4096: 0.97 of the
-// forward's time, pairs of calls, 2 cores, Zen 3); with the call's store (F.kparts) the first
+// which stays in L1, instead of cycling through 16 slots' 256 KB (a little faster, measured:
+// docs/cpu.md, Measurements behind the code); with the call's store (F.kparts) the first
 // item to reach a tile packs its parts there and the others read them (w.kt, then, holds the
 // tile only where gemm_chain needs it: keys or rows the split cannot carry).
 static void fwd_key_tile(const Problem& P, const FwdPlan& F, int64_t b, int64_t hkv, int64_t j,

@@ -3,13 +3,14 @@
 // Linux places threads by counting them, not by who they belong to. With one other CPU-bound
 // process on a 2-CPU machine it often stacks a call's two threads on one CPU and leaves the
 // other process a CPU of its own; neither placement is "unbalanced" by task count, so nothing
-// moves, and the call runs on half a machine (2x slower) where a fair share is 2/3 of it. Items
-// are pulled from one counter, so any split of the CPU time between the threads is used in full;
-// what is lost is only the stacking. So when a call's threads are as many as the CPUs it may
-// use, each thread claims the CPU it is on, a thread that finds its CPU taken moves to one no
-// thread of the call holds, and each is held there (sched_setaffinity) until its part of the call
-// ends, then given back its own affinity mask. Fewer threads than CPUs: nothing is pinned (the
-// scheduler has a free CPU to move to). `QKV_CPU_PIN=0` turns it off (read at every call).
+// moves, and the call runs on half a machine where a fair share is 2/3 of it (docs/cpu.md,
+// Measurements behind the code). Items are pulled from one counter, so any split of the CPU time
+// between the threads is used in full; what is lost is only the stacking. So when a call's
+// threads are as many as the CPUs it may use, each thread claims the CPU it is on, a thread that
+// finds its CPU taken moves to one no thread of the call holds, and each is held there
+// (sched_setaffinity) until its part of the call ends, then given back its own affinity mask.
+// Fewer threads than CPUs: nothing is pinned (the scheduler has a free CPU to move to).
+// `QKV_CPU_PIN=0` turns it off (read at every call).
 #pragma once
 
 #include <cstdint>

@@ -147,10 +147,11 @@ int64_t chunk_columns(const Problem& P, int64_t n_chunks, BwdState& S) {
 
 // Query heads of a group per pass over a chunk. A column's step reads and writes the dQ tiles of
 // every query tile it reaches, for each head of the group: with many heads over long rows (GQA)
-// they leave the core's cache between columns, and the backward ran up to 1.4× slower than the
-// same heads without grouping. Passes of fewer heads keep them in cache, at the price of packing
-// K_j, V_j once per pass and holding dK_j, dV_j of the chunk's columns between passes. Chosen from
-// the shape alone (not the thread count), so that a call's bits never depend on the machine.
+// they leave the core's cache between columns, and the backward ran markedly slower than the
+// same heads without grouping (measured: docs/cpu.md, Measurements behind the code). Passes of
+// fewer heads keep them in cache, at the price of packing K_j, V_j once per pass and holding
+// dK_j, dV_j of the chunk's columns between passes. Chosen from the shape alone (not the thread
+// count), so that a call's bits never depend on the machine.
 constexpr int64_t DQ_CACHE = int64_t(1) << 20;  // bytes of live dQ tiles a pass aims to stay in
 constexpr int64_t DKV_CAP = int64_t(256) << 20;  // most bytes of kept dK_j, dV_j (all columns)
 
@@ -173,8 +174,8 @@ void plan_backward(const Problem& P, BwdState& S) {
   // heads of its group), but at least a quarter as many items (one a thread beyond 4 threads, so
   // that the cut depends on the problem alone up to 4). Each further chunk adds a dQ partial of
   // every query tile it reaches (G heads of them): counted in kv heads, GQA 14:2 at N = 2048 cut
-  // its columns in 8 chunks where 2 do, held 81 MB of partials against 20 MB, and ran 1.25×
-  // slower (interleaved, 2-core AMD EPYC).
+  // its columns in 8 chunks where 2 do, held several times the partials, and ran slower
+  // (measured: docs/cpu.md, Measurements behind the code).
   const int64_t T = target_items();
   const int64_t by_heads = (T + P.B * P.H - 1) / std::max<int64_t>(1, P.B * P.H);
   int64_t C = std::min<int64_t>(std::max<int64_t>({1, by_heads, (T / 4 + BH - 1) / BH}),

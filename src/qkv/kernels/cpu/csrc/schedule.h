@@ -21,8 +21,9 @@ namespace qkv_cpu {
 // more than it saves there, and under load its end can wait a whole scheduler slice for a
 // descheduled thread.
 constexpr int64_t INLINE_BELOW = int64_t(1) << 23;
-// From this many multiply-adds (about a millisecond on 2 CPUs) the threads are held one per CPU
-// (placement.h): a few system calls per thread, against a 2x loss when Linux stacks them.
+// From this many multiply-adds the threads are held one per CPU (placement.h): a few system
+// calls per thread, small beside such a call, against running on half the machine when Linux
+// stacks them (docs/cpu.md, Measurements behind the code).
 constexpr int64_t PIN_FROM = int64_t(1) << 26;
 
 // Run `work(&queue)` on every thread of torch's pool (one parallel region), the queue holding

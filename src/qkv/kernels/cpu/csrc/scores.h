@@ -28,9 +28,8 @@ static inline void row_scores(const Mods& md, float slope, int64_t qpos, int64_t
 
 // Decoding (float32, K and V read in place) streams each K/V row once with little work per
 // byte; the scores' loop asks for K rows this far ahead and for the V row of the same key, which
-// the P·V reads next. Measured at Nk = 32768, H = 32, Hkv = 8, D = 128 on 2 CPUs of a Zen 5 EPYC
-// (two builds alternated, three runs): K and V read at 31–33 GB/s with no prefetch, 36–39 with 8
-// rows ahead, 40.2–41.2 with 48 (a 256 MiB copy: 46–48 GB/s).
+// the P·V reads next. K and V read faster 48 rows ahead than 8 ahead or with no prefetch, close
+// to a plain copy's rate (measured: docs/cpu.md, Measurements behind the code).
 constexpr int64_t PREFETCH_ROWS = 48;
 
 // s[M × N] (ld BK) = round(q · kt · scale) for rows R0 … R0+M−1 of w.q and key columns 16·lo …

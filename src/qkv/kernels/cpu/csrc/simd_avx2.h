@@ -268,8 +268,9 @@ static inline void widen8(__m256 x, __m256d& lo, __m256d& hi) {
 }
 
 // The scores' float chains on AVX2: 32 products (SCORE_CHAIN), not CHAIN (docs/cpu.md,
-// Accuracy): the widening and double adds after each chain cost the scores' micro-kernel about
-// 40% over P·V's at D = 64 with chains of 16, 14% with chains of 32 (perf samples, one core).
+// Accuracy): with chains of 16 the widening and double adds after each chain made the scores'
+// micro-kernel far costlier than P·V's, with chains of 32 much less so (measured: docs/cpu.md,
+// Measurements behind the code).
 constexpr int64_t SCORE_CHAIN = 2 * CHAIN;
 
 // C = float(scale · Σ_c chain_c), the conventions of the AVX-512 gemm_chain with chains of
@@ -385,8 +386,8 @@ static void gemm_chain(int64_t M, int64_t N, int64_t K, const float* A, int64_t 
 // (gemm's chain: fused, from 0, in order) of A[m·sam + k·sak]·B[k·ldb + n] over k = 32c …
 // 32c + 31 (ACC_CHAIN), each widened and added from the registers in order of c (backward_ops.h's
 // gemm_acc with chains of 32). Chains of 32, not CHAIN, as the scores' (SCORE_CHAIN): with 16
-// the widening and double adds cost these three products about 40% over the forward's one-chain
-// P·V (perf, causal N = 4096 forward + backward). `chain` terms per chain (ACC_CHAIN, or
+// the widening and double adds cost these three products much more than the forward's one-chain
+// P·V (measured: docs/cpu.md, Measurements behind the code). `chain` terms per chain (ACC_CHAIN, or
 // ONE_CHAIN for 16-bit inputs: one chain per call). N a multiple of 16; tmp unused here.
 constexpr int64_t ACC_CHAIN = 2 * CHAIN;
 static void gemm_acc(int64_t M, int64_t N, int64_t K, const float* A, int64_t sam, int64_t sak,

@@ -220,9 +220,9 @@ __attribute__((noinline)) static void gemm64(int64_t M, int64_t N, int64_t K, co
 // The chains as the AVX2 path forms them (docs/cpu.md, Accuracy), so both give the same bits:
 // scores (and the backward's float dP) in chains of SCORE_CHAIN products, P·V in one chain per
 // tile span (≤ 64 keys), dQ, dK and dV in chains of ACC_CHAIN. Each chain's widening and double
-// adds cost FP slots the FMAs would use: with chains of 16 they took about a quarter of the
-// scores' micro-kernel at D = 64, and on a CPU that splits 512-bit operations in two (Zen 4) this
-// path ran slower than the AVX2 one.
+// adds cost FP slots the FMAs would use: with chains of 16 they took a large share of the
+// scores' micro-kernel, and on a CPU that splits 512-bit operations in two (Zen 4) this path ran
+// slower than the AVX2 one (measured: docs/cpu.md, Measurements behind the code).
 constexpr int64_t SCORE_CHAIN = 2 * CHAIN;
 constexpr int64_t PV_CHAIN = BK;
 constexpr int64_t ACC_CHAIN = 2 * CHAIN;

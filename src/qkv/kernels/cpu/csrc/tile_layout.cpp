@@ -5,8 +5,8 @@
 // last key), cut by a key mask `keys (Bm, Hm, Nk)` the same for every row (a padded batch's, a
 // decoding step's; absent: every key). Which pairs a rule allows is never decided here: only
 // the intervals are read. What `qkv.layout` + `tile_encoding.py`'s `encode` compute with a few
-// dozen tensor operations per chunk of tiles, here in microseconds to a few milliseconds: a new
-// length costs a small share of its call.
+// dozen tensor operations per chunk of tiles, here in one pass: a new length costs a small share
+// of its call (measured: docs/cpu.md, Measurements behind the code).
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

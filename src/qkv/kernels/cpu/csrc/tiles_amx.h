@@ -274,9 +274,9 @@ static inline void dp_next_b(int& reg, int64_t t, const uint32_t* b) {
 // and added in order (gemm_chain's conventions). With `folded` (the rows' parts came times the
 // scale, a power of two: tile_scale_folds) the unit's accumulator runs on over all of d instead
 // (one float chain of the products, step after step, in the order above) and whole blocks of 16
-// rows are stored from the tiles straight into C: no vector pass (the window's forward, N = 16384,
-// float32: the scores' cycles 2–13% fewer in three alternated perf runs). The same (row, key) gets the same bits from any call. N a multiple
-// of 16, 16·t0 + N ≤ 64, K ≤ TILE_K_MAX.
+// rows are stored from the tiles straight into C: no vector pass (the scores take fewer cycles,
+// measured: docs/cpu.md, Measurements behind the code). The same (row, key) gets the same bits
+// from any call. N a multiple of 16, 16·t0 + N ≤ 64, K ≤ TILE_K_MAX.
 // whether the scores' scale folds into the rows' parts: a power of two, so that (q·s)·k is
 // (q·k)·s exactly, and ≥ 2⁻¹⁶, so that no part it scales becomes subnormal (split3's bound)
 static inline bool tile_scale_folds(float scale) {
@@ -318,9 +318,9 @@ static inline void chain3_block(int64_t N, int64_t K, const uint16_t* a, const u
 // follow) against all 64 key columns: the same products in the same order, so the same bits,
 // with the C tiles as 2 × 2 (rows × 16 columns: C0 and C1 the first block's, C2 and C3 the
 // second's) over one half of the columns at a time. Each loaded tile serves two products (18
-// loads per 24 products, against 27 in chain3_block): in isolation (256 × 64 × 64, one core)
-// 20–25% less time per product. With ldc, one chain over all kk stored at C (ld ldc floats);
-// without, chain kk of the first block at C + kk·1024 and of the second at C2 + kk·1024.
+// loads per 24 products, against 27 in chain3_block), and each product takes less time (measured:
+// docs/cpu.md, Measurements behind the code). With ldc, one chain over all kk stored at C (ld ldc
+// floats); without, chain kk of the first block at C + kk·1024 and of the second at C2 + kk·1024.
 static inline void chain3_pair(int64_t K, const uint16_t* a, const uint32_t* bpack, float* C,
                                int64_t ldc, float* C2 = nullptr) {
   const int64_t nk = (K + TILE_K - 1) / TILE_K;
