@@ -141,8 +141,8 @@ def _packed(q, attn_mask, is_causal: bool, groups: int):
     """`(q, mask)` with the G query heads of each kv head laid out as G·Nq rows of one head,
     `(B, Hkv, G·Nq, D)`, or None where that is not the same problem. torch's CPU kernel runs a
     few query rows against a long K/V far faster as one head of G·Nq rows, each key block read
-    once for the group, than with `enable_gqa` (at Nq = 1, 14:2 heads, D = 64, Nk = 4096: 190
-    against 385 µs on a 2-core AMD EPYC); transformers' own sdpa attention does the same.
+    once for the group, than with `enable_gqa` (docs/cpu.md, Measurements behind the code);
+    transformers' own sdpa attention does the same.
     Causal masks depend on the row (not packed); a mask that varies by query row but not by
     head would have to be copied G times (not packed either)."""
     nq = q.shape[-2]
