@@ -119,6 +119,7 @@ def dense_allowed(
     rows = torch.arange(q_len, device=device).view(1, 1, -1, 1)
     cols = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
     ok = allowed(b, h, rows, cols, q_len=q_len, kv_len=kv_len, causal=causal, rule=rule, mask=mask)
+    assert ok is not None  # something restricts the pairs (returned above otherwise)
     return ok.expand(nb, nh, q_len, kv_len)
 
 
@@ -144,6 +145,7 @@ def causal_hidden(
     rows = torch.arange(r0, r1, device=device).unsqueeze(1)
     cols = torch.arange(d0, c1, device=device)
     ok = allowed(0, 0, rows, cols, q_len=q_len, kv_len=kv_len, causal=True)
+    assert ok is not None  # the causal rule restricts
     return d0, ~ok, blind
 
 
@@ -625,7 +627,9 @@ class TilePlan:
         causal rule in them) and the key mask `(B|1, H|1, Nk|1)` every row shares (None: no
         mask). O(Nq) memory, made when asked."""
         p = self.pairs
-        lo, hi = row_intervals(p.rule, p.q_len, p.kv_len, p.causal)
+        found = row_intervals(p.rule, p.q_len, p.kv_len, p.causal)
+        assert found is not None, "row_keys is for plans with intervals"
+        lo, hi = found
         return lo, hi, None if p.mask is None else p.mask[:, :, 0, :].cpu()
 
     def cut(self, uniform_tiles: int) -> SegmentTiles | None:
@@ -683,9 +687,9 @@ def dense_kinds(rule: Any, nq: int, nk: int, block_q: int, block_k: int) -> torc
     if rule.has_bounds:
         bi = torch.arange(B).view(-1, 1, 1, 1)
         hi = torch.arange(H).view(1, -1, 1, 1)
-        grid = (q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1))
-        grid += (k_lo.view(1, 1, 1, -1), k_hi.view(1, 1, 1, -1))
-        any_, all_ = rule.tile_bounds(bi, hi, *grid, nk)
+        qs = (q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1))
+        ks = (k_lo.view(1, 1, 1, -1), k_hi.view(1, 1, 1, -1))
+        any_, all_ = rule.tile_bounds(bi, hi, *qs, *ks, nk)
         shape = (B, H, nqb, nkb)
         return classify(torch.broadcast_to(any_, shape), torch.broadcast_to(all_, shape))
     rows = torch.arange(nqb).repeat_interleave(nkb)

@@ -73,7 +73,7 @@ import importlib
 import sys
 import warnings
 from collections.abc import Callable
-from types import ModuleType
+from types import FrameType, ModuleType
 
 import torch
 
@@ -264,7 +264,7 @@ def _prebuilt_for_generate() -> bool:
     pre-build, so a compiled forward is not one (and is not traced through the stack walk)."""
     if torch.compiler.is_compiling():
         return False
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(_PREBUILD_DEPTH):
         if frame is None:
             return False
@@ -379,7 +379,7 @@ def attention_forward(
     out = parts.pop(0)
     lse = parts.pop(0) if s_aux is not None else None
     weights = parts.pop(0) if want_weights else None
-    if lse is not None:
+    if lse is not None and s_aux is not None:  # lse is asked for exactly when there is a sink
         # A sink adds exp(s_aux[h]) to each row's denominator exp(lse): the real keys keep the
         # share sigmoid(lse − s_aux) of the mass (0 for a row with no real key: lse = −inf).
         keep = torch.sigmoid(lse - s_aux.to(lse.dtype).view(1, -1, 1)).unsqueeze(-1)

@@ -184,6 +184,7 @@ def translate(
         return valid[:, None, None, :]  # padding only: (B, 1, 1, Nk), and SDPA can run it
     if compiling:  # no key_mask: it reads the mask's values (and traced kinds are plain)
         return CausalKeys(valid[:, None, None, :]) if kind == "causal" else call.dense(mu)
+    assert structure is not None  # only "full" and "dense" have none, both returned above
     return structure & masks.key_mask(valid)
 
 
@@ -210,6 +211,12 @@ def _closure(fn: Callable) -> dict[str, object]:
     names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
     cells = getattr(fn, "__closure__", None) or ()
     return {n: c.cell_contents for n, c in zip(names, cells, strict=False)}
+
+
+def _closure_fns(cells: dict[str, object]) -> tuple[Callable, ...]:
+    """The mask functions an `and_masks`/`or_masks` closure combines (a tuple there)."""
+    fns = cells.get("mask_functions", ())
+    return tuple(fns) if isinstance(fns, tuple | list) else ()
 
 
 def _is(fn: object, mu: ModuleType, qualname: str) -> bool:
@@ -241,7 +248,7 @@ def _interval(fn: Callable, mu: ModuleType) -> tuple[int | None, int | None] | N
         return plain
     name, cells = getattr(fn, "__qualname__", ""), _closure(fn)
     if name == "and_masks.<locals>.and_mask":
-        parts = [_interval(f, mu) for f in cells.get("mask_functions", ())]  # type: ignore[union-attr]
+        parts = [_interval(f, mu) for f in _closure_fns(cells)]
         if not parts or any(p is None for p in parts):
             return None
         los = [p[0] for p in parts if p[0] is not None]  # type: ignore[index]
@@ -270,7 +277,7 @@ def _packed(fn: Callable, mu: ModuleType) -> tuple[Callable, torch.Tensor, torch
     when `fn` is not it."""
     if not _is(fn, mu, "and_masks.<locals>.and_mask"):
         return None
-    parts = tuple(_closure(fn).get("mask_functions", ()))  # type: ignore[arg-type]
+    parts = _closure_fns(_closure(fn))
     if len(parts) != 2 or not (_is(parts[0], mu, _REMAP) and _is(parts[1], mu, _SAME_SEQUENCE)):
         return None
     remap, same = _closure(parts[0]), _closure(parts[1])

@@ -47,7 +47,10 @@ class Mask:
             raise TypeError("Mask needs exactly one of fn(b, h, q, kv) or rule")
         if fn is not None and not callable(fn):
             raise TypeError(f"fn must be callable as fn(b, h, q, kv), got {type(fn).__name__}")
-        self._rule: Rule = rule if rule is not None else _FnRule(fn)
+        if fn is not None:
+            rule = _FnRule(fn)
+        assert rule is not None  # exactly one of them, checked above
+        self._rule: Rule = rule
         self._bounds = bounds
         self._ranges = ranges
         self.name = name
@@ -203,7 +206,7 @@ class Mask:
         """Fraction of (query, key) pairs allowed (averaged over batch and heads)."""
         if nq == 0 or nk == 0:
             return 0.0
-        total, rows_per_chunk = 0, max(1, 2**22 // max(nk, 1))
+        total, rows_per_chunk = 0.0, max(1, 2**22 // max(nk, 1))
         bi, hi = self._index(None, self.batch, None), self._index(None, self.heads, None)
         hi = hi.view(1, -1, 1, 1)
         cols = torch.arange(nk).view(1, 1, 1, nk)
@@ -281,6 +284,7 @@ class _Not:
         return ~self.a._rule(b, h, q, kv, n)
 
     def bounds(self, *args):
+        assert self.a._bounds is not None  # handed out only when the mask has bounds
         maybe_any, surely_all = self.a._bounds(*args)
         return ~surely_all, ~maybe_any
 
@@ -298,6 +302,7 @@ class _Combined:
         return x & y if self.op == "&" else x | y
 
     def bounds(self, *args):
+        assert self.a._bounds is not None and self.c._bounds is not None  # both have bounds
         x, y = self.a._bounds(*args), self.c._bounds(*args)
         if self.op == "&":
             # any(a & c) ≤ any(a) & any(c) (an upper bound); all(a & c) = all(a) & all(c).
@@ -340,9 +345,11 @@ class _Shifted:
     def bounds(self, b, h, ql, qh, kl, kh, n):
         hh = h + self.head_start
         qs, ks = self.q_start, self.k_start
+        assert self.base._bounds is not None  # handed out only when the base has bounds
         return self.base._bounds(b, hh, ql + qs, qh + qs, kl + ks, kh + ks, self.n_total)
 
     def ranges(self, ql, qh, n):
+        assert self.base._ranges is not None  # handed out only when the base has ranges
         got = self.base._ranges(ql + self.q_start, qh + self.q_start, self.n_total)
         return None if got is None else (got[0] - self.k_start, got[1] - self.k_start)
 

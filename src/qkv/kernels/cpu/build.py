@@ -241,7 +241,7 @@ def _load(folder: Path):
     return _ops
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """Write `path` through a temporary name in its folder and a rename: readers see the old
     file or the new one, never a part."""
     part = path.with_name(f".{path.name}.{os.getpid()}.part")

@@ -147,7 +147,7 @@ class Table:
         if found is None and cls in self.points and self.points[cls]:
             pts = self.points[cls]
             sizes = [max(w, 1.0) for w, _ in pts]
-            found: list[tuple[float | None, str]] = []
+            made: list[tuple[float | None, str]] = []
             for i in range(len(pts)):
                 near = [r for _, r in pts[max(i - 1, 0) : i + 2]]
                 who = "cpu" if statistics.median(near) >= 1.0 else "sdpa"
@@ -156,11 +156,11 @@ class Table:
                     if i + 1 < len(pts)
                     else None
                 )
-                if found and found[-1][1] == who:
-                    found[-1] = (bound, who)
+                if made and made[-1][1] == who:
+                    made[-1] = (bound, who)
                 else:
-                    found.append((bound, who))
-            self._bands[cls] = tuple(found)
+                    made.append((bound, who))
+            self._bands[cls] = tuple(made)
         return self._bands.get(cls)
 
     @functools.cached_property
@@ -310,7 +310,7 @@ def _winner(isa: str, cls: str, work: float) -> tuple[str, str]:
     )
 
 
-def _traced(isa: str, cls: str, twice: object) -> tuple[str, str]:
+def _traced(isa: str, cls: str, twice: int | torch.SymInt) -> tuple[str, str]:
     """`decide` while torch.compile traces, where `twice` (2 · work) may be a symbolic size:
     the class's bands come as a constant of the graph (`_bands_of`) and the work is compared
     with their integer bounds, each comparison a guard torch keeps, so the graph holds for the

@@ -317,7 +317,7 @@ def kernel_layout(pairs: Pairs, block_q: int) -> CpuLayout:
         return _build(pairs, block_q)
     shape = (pairs.q_len, block_q, pairs.causal, *mask_dims(pairs))
     if pairs.q_len <= block_q:
-        key = ("cpu-layout-step", *shape)
-        return CACHE.latest(key, pairs.kv_len, lambda: _build(pairs, block_q), pairs.rule)
+        step = ("cpu-layout-step", *shape)
+        return CACHE.latest(step, pairs.kv_len, lambda: _build(pairs, block_q), pairs.rule)
     key = ("cpu-layout", pairs.kv_len, *shape)
     return CACHE.get(key, lambda: _build(pairs, block_q), owner=pairs.rule)
