@@ -81,7 +81,7 @@ def handle(obj: object) -> int:
 
 # What `torch.compiler.assume_constant_result(handle)` does, without importing torch._dynamo
 # (which doubles the time of `import qkv`); tests/test_compile.py fails if that ever changes.
-handle._dynamo_marked_constant = True  # type: ignore[attr-defined]
+handle._dynamo_marked_constant = True  # type: ignore[attr-defined]  # dynamo's marker on a function
 
 
 def lookup(h: int) -> Any:

@@ -448,8 +448,8 @@ def _tune(args: argparse.Namespace) -> None:
             print(f"crossovers not stored ({e}); `auto` keeps its defaults", file=sys.stderr)
     print(f"auto's crossovers for the {isa} path: {crossover.basis(isa)}")
     print("  class: work (crossover.work_of) : SDPA's time ÷ the kernel's, at each measured size")
-    table = crossover.table(isa)
-    for cls, points in sorted(({} if table is None else table.points).items()):
+    stored = crossover.table(isa)
+    for cls, points in sorted(({} if stored is None else stored.points).items()):
         shown = " ".join(f"{w:.2g}:{r:.2f}" for w, r in points)
         print(f"  {cls:<30} {shown}")
 
@@ -538,13 +538,19 @@ def _parser(lang: str = "en") -> argparse.ArgumentParser:
     from . import __version__
 
     formatter = cli_zh.Formatter if lang == "zh" else argparse.HelpFormatter
-    options = {"lang": lang, "formatter_class": formatter}
-    ap = _Parser(prog="qkv", description="Self-attention, from the formula up.", **options)
+    ap = _Parser(
+        prog="qkv",
+        description="Self-attention, from the formula up.",
+        lang=lang,
+        formatter_class=formatter,
+    )
     ap.add_argument("--version", action="version", version=f"qkv {__version__}")
     ap.add_argument("--lang", choices=LANGS, default="en", help=LANG_HELP)
     sub = ap.add_subparsers(dest="command", title="commands")
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help, **options)
+        p = sub.add_parser(
+            name, help=cmd.help, description=cmd.help, lang=lang, formatter_class=formatter
+        )
         cmd.add_arguments(p)
         if not any(a.dest == "lang" for a in p._actions):
             p.add_argument("--lang", choices=LANGS, default="en", help=LANG_HELP)

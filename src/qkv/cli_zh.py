@@ -258,8 +258,12 @@ def error(message: str) -> str:
         m = pattern.fullmatch(message.strip())
         if m is None:
             continue
-        parts = list(m.groups())
-        zh = re.sub(r"\{(\d)\*\}", lambda r, parts=parts: error(parts[int(r[1])]), zh)
+        parts: list[str] = list(m.groups())
+
+        def again(r: re.Match[str], parts: list[str] = parts) -> str:
+            return error(parts[int(r[1])])
+
+        zh = re.sub(r"\{(\d)\*\}", again, zh)
         return zh.format(*parts)
     return message
 

@@ -32,7 +32,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def keep_mask(
-    seed: int,
+    seed: int | torch.Tensor,
     p: float,
     bh: torch.Tensor,
     rows: torch.Tensor,
@@ -41,7 +41,7 @@ def keep_mask(
     """Bool tensor, True where the attention weight survives dropout with probability 1 − p.
 
     Args:
-        seed: the plan's dropout seed (any non-negative int).
+        seed: the plan's dropout seed (any non-negative int, or an int64 0-dim tensor).
         p: drop probability in [0, 1).
         bh: int64 `(B*H,)`-like index `b * H + h`, shaped to broadcast as `(..., 1, 1)`.
         rows: int64 query indices, shaped `(..., Nq, 1)`.

@@ -94,8 +94,10 @@ def attention(
     rank = plan.input_rank
     result = [from_4d(out, rank)]
     if return_lse:
+        assert lse is not None  # a backend returns the lse a plan asks for
         result.append(from_4d(lse, rank))
     if return_weights:
+        assert weights is not None  # and the weights
         result.append(from_4d(weights, rank))
     return result[0] if len(result) == 1 else tuple(result)
 
@@ -153,4 +155,5 @@ def dispatch(
         dropout_seed=0,
         finite_inputs=finite_inputs,
     )
+    assert v is not None  # make_plan refuses a missing v
     return choose(plan, to_4d(q), to_4d(k), to_4d(v), backend)

@@ -76,15 +76,15 @@ class _OnceDifferentiable(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(backend, n, *tensors):  # type: ignore[override]
+    def forward(backend, n, *tensors):
         return tuple(t.view_as(t) for t in tensors[:n])
 
     @staticmethod
-    def setup_context(ctx, inputs, output):  # type: ignore[override]
+    def setup_context(ctx, inputs, output):
         ctx.backend = inputs[0]
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         raise _double_backward_error(ctx.backend)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from . import limits
 from .dropout import keep_mask, keep_scale
+from .masks import Mask
 from .numerics import all_finite, weighted_values
 from .plan import AttentionPlan, from_4d, make_plan, to_4d
 from .scores import ScoreMod
@@ -122,10 +123,12 @@ def compute(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     A_dropped = A
     if plan.dropout_p > 0:
+        seed = plan.dropout_seed
+        assert seed is not None  # make_plan draws one when dropout_p > 0
         bh = torch.arange(B * H, device=q.device).reshape(B, H, 1, 1)
         rows = torch.arange(Nq, device=q.device).unsqueeze(1)
         cols = torch.arange(Nk, device=q.device)
-        keep = keep_mask(plan.dropout_seed, plan.dropout_p, bh, rows, cols)
+        keep = keep_mask(seed, plan.dropout_p, bh, rows, cols)
         A_dropped = torch.where(keep, A * keep_scale(plan.dropout_p), 0.0)
 
     v_finite = all_finite(v)
@@ -189,12 +192,14 @@ def _lean(
     if plan.dropout_p > 0:
         if weights is not None and plan.dtype == cdt:
             A_dropped = A.clone()  # the weights are A itself
+        seed = plan.dropout_seed
+        assert seed is not None  # make_plan draws one when dropout_p > 0
         bh = torch.arange(B * H, device=q.device).reshape(B, H, 1, 1)
         rows = torch.arange(Nq, device=q.device).unsqueeze(1)
         cols = torch.arange(Nk, device=q.device)
         band = max(1, DROPOUT_CHUNK // max(1, B * H * Nk))
         for r0 in range(0, Nq, band):
-            keep = keep_mask(plan.dropout_seed, plan.dropout_p, bh, rows[r0 : r0 + band], cols)
+            keep = keep_mask(seed, plan.dropout_p, bh, rows[r0 : r0 + band], cols)
             part = A_dropped[..., r0 : r0 + band, :]
             part.mul_(keep_scale(plan.dropout_p)).masked_fill_(~keep, 0.0)
 
@@ -207,7 +212,7 @@ def steps(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | Mask | None = None,
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -246,7 +251,7 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | Mask | None = None,
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,

@@ -77,8 +77,8 @@ def compose(*mods: ScoreMod) -> ScoreMod:
     if len(heads) > 1:
         raise ValueError(f"cannot compose modifiers written for different head counts {heads}")
     name = " ∘ ".join(repr(m) for m in reversed(mods))
-    known = all(m.parts is not None for m in mods)
-    parts = tuple(p for m in mods for p in m.parts) if known else None
+    known = [m.parts for m in mods if m.parts is not None]
+    parts = tuple(p for ps in known for p in ps) if len(known) == len(mods) else None
     return ScoreMod(fn, name, params, heads.pop() if heads else None, parts)
 
 

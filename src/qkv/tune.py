@@ -5,8 +5,8 @@ causal and dense; float32, bfloat16, float16; forward and forward+backward, floa
 excepted, which never go to SDPA), both backends are timed on a ladder of sizes, alternating
 call by call after a warm-up, and the ratio of their medians is the point. The points are stored
 beside the compiled kernel (`crossovers.json`) and read by `auto` from then on; `qkv.dispatch`
-names the table that decided. Runs in about four minutes on 2 cores (`quick`: a few seconds, fewer
-sizes and repeats, for tests).
+names the table that decided. `quick` measures fewer sizes with fewer repeats, for tests (how
+long a run takes: docs/cpu.md).
 
 Shapes of the ladders (B = 1, `finite_inputs=True`, the kernel's current path), each at head
 dimension D = Dv = 64 and 128:
@@ -136,7 +136,7 @@ def measure(quick: bool = False, progress: Callable[[str], None] | None = None) 
     if isa is None:
         raise RuntimeError(why)
     budget_s, most = (0.02, 3) if quick else (0.2, 11)
-    points: dict[str, list[tuple[float, str]]] = {}
+    points: dict[str, list[tuple[float, float]]] = {}
     for ladder in ladders(quick):
         for n in ladder.sizes:
             q, k, v = ladder.inputs(n)
@@ -156,7 +156,7 @@ def measure(quick: bool = False, progress: Callable[[str], None] | None = None) 
 
 def machine() -> str:
     """The CPU (model, family and model numbers), torch and the date, for `measured_on`."""
-    fields = {}
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
@@ -192,6 +192,10 @@ def save(table: crossover.Table) -> Path:
             tables = {}
     tables[table.isa] = table
     text = json.dumps(crossover.to_json(tables), indent=1) + "\n"
-    build.write_atomic(path, lambda part: part.write_text(text))
+
+    def write(part: Path) -> None:
+        part.write_text(text)
+
+    build.write_atomic(path, write)
     crossover.clear()
     return path

@@ -42,7 +42,6 @@ TEXT = {
         "unscaled rows sharpen as d_k grows (try --dk 64).",
         "Out": "each token's new representation: a weighted mix of the values",
         "cost": "Cost of one head (FLOPs = 4·N²·d_k for QKᵀ and AV; scores stored as fp32):",
-        "case": {4: "this example", 512: "BERT", 2048: "GPT-3", 1_048_576: "long document"},
         "shape": "shape",
         "corners": "  ({nr}×{nc}: corners shown; --full prints it whole)",
     },
@@ -72,10 +71,14 @@ TEXT = {
         "d_k 越大，不缩放的行越尖锐（试试 --dk 64）。",
         "Out": "每个词元的新表示：值向量的加权平均",
         "cost": "单个注意力头的开销（FLOPs = 4·N²·d_k，含 QKᵀ 与 AV；分数矩阵按 fp32 存储）：",
-        "case": {4: "本例", 512: "BERT", 2048: "GPT-3", 1_048_576: "长文档"},
         "shape": "形状",
         "corners": "  （{nr}×{nc}：只显示四角；--full 可完整打印）",
     },
+}
+# The sizes the cost table names, by language.
+CASES = {
+    "en": {4: "this example", 512: "BERT", 2048: "GPT-3", 1_048_576: "long document"},
+    "zh": {4: "本例", 512: "BERT", 2048: "GPT-3", 1_048_576: "长文档"},
 }
 COST_SIZES = (512, 2048, 1_048_576)
 # A's mean row entropy as a share of log N (an even row): below SATURATED the softmax has
@@ -306,7 +309,7 @@ def render(w: Walkthrough, lang: str = "en", full: bool = False) -> str:
     out.append("\n" + t["cost"])
     for size in (n, *COST_SIZES):
         flops, nbytes = cost(size, dk)
-        label = t["case"].get(size, "")
+        label = CASES[lang].get(size, "")
         out.append(
             f"  N = {size:>9,}  {ljust(label, 14)} {human(flops, 'FLOP'):>12}  "
             f"{human(nbytes, 'B'):>10}"

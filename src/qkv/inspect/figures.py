@@ -74,7 +74,8 @@ def _cjk_installed() -> str | None:
     names = {f.name for f in font_manager.fontManager.ttflist}
     listed = [name for name in CJK_FONTS if name in names]
     # a font collection (.ttc) is listed under its first face: "Noto Sans CJK JP"
-    return (listed or sorted(n for n in names if "CJK" in n) or [None])[0]
+    found = listed or sorted(n for n in names if "CJK" in n)
+    return found[0] if found else None
 
 
 @functools.cache

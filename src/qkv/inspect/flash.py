@@ -208,7 +208,7 @@ class _State:
 
     def snapshot(self, n: int, dv: int, like: torch.Tensor):
         """(m (n,), l (n,), acc (n, d_v), o (n, d_v)) as copies; nothing yet: −inf, 0, 0, 0."""
-        if self.m is None:
+        if self.m is None or self.l is None or self.acc is None:  # set together
             zero = torch.zeros(n, dtype=like.dtype, device=like.device)
             m = torch.full_like(zero, -torch.inf)
             acc = torch.zeros(n, dv, dtype=like.dtype, device=like.device)

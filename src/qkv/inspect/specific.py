@@ -25,12 +25,20 @@ from .words import is_special as _special
 
 
 class WordMap(Protocol):
-    """What these questions read of an attention map (`qkv.inspect.AttentionMap`)."""
+    """What these questions read of an attention map (`qkv.inspect.AttentionMap`; read-only,
+    as the frozen map's fields are)."""
 
-    words: list[str]
-    weights: torch.Tensor  # (L, H, W, W)
-    text: str
-    heads: int
+    @property
+    def words(self) -> list[str]: ...
+
+    @property
+    def weights(self) -> torch.Tensor: ...  # (L, H, W, W)
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def heads(self) -> int: ...
 
     def index(self, word: str) -> int: ...
 
@@ -140,7 +148,6 @@ TEXT = {
         "by the others.",
         "top": '  After all layers, "{t}" gets {target:.3f} of "{w}"\'s attention rollout, the '
         "most of any word.",
-        "ordinal": ("1st", "2nd", "3rd"),
         "nth": "{n}th",
     },
     "zh": {
@@ -166,12 +173,13 @@ TEXT = {
     },
 }
 
+ORDINALS = ("1st", "2nd", "3rd")  # English ranks; Chinese writes the number
+
 
 def _rank(n: int, lang: str) -> str:
     if lang == "zh":
         return str(n)
-    t = TEXT["en"]
-    return t["ordinal"][n - 1] if n <= 3 else t["nth"].format(n=n)
+    return ORDINALS[n - 1] if n <= 3 else TEXT["en"]["nth"].format(n=n)
 
 
 def question_lines(

@@ -30,14 +30,25 @@ import torch
 
 class AttentionMap(Protocol):
     """What the viewer reads of a `qkv.inspect.AttentionMap` (not imported: the map's notebook
-    display imports this module)."""
+    display imports this module). Read-only, as the frozen map's fields are."""
 
-    words: list[str]
-    weights: torch.Tensor  # (L, H, W, W)
-    text: str
-    model: str
-    layers: int
-    heads: int
+    @property
+    def words(self) -> list[str]: ...
+
+    @property
+    def weights(self) -> torch.Tensor: ...  # (L, H, W, W)
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def heads(self) -> int: ...
 
     def check(self, layer: int | None = None, head: int | None = None) -> None: ...
 

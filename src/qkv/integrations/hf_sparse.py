@@ -168,7 +168,7 @@ def make_mask(
     allow_is_causal_skip: bool = True,
     allow_is_bidirectional_skip: bool = False,
     **kwargs,
-) -> Plain | Mask | torch.Tensor | None:
+) -> Plain | Mask | torch.Tensor | hf.CausalKeys | None:
     """transformers' mask function for content-selected attention (`sdpa_mask`'s signature).
 
     A call that `qkv.integrations.hf.make_mask` finds plain without its padding (causal, the

@@ -31,6 +31,8 @@ class; these modules return none).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -79,12 +81,14 @@ class PackedVisionAttention(nn.Module):
         for attr in ("qkv", "proj", "num_heads"):
             if not hasattr(module, attr):
                 raise TypeError(f"{type(module).__name__} has no {attr!r}: not a vision attention")
+        # transformers' vision attentions: two nn.Linear layers and a plain int attribute
+        qkv, proj = cast(nn.Linear, module.qkv), cast(nn.Linear, module.proj)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.dim, new.num_heads, new.layout = module.qkv.in_features, module.num_heads, layout
+        new.dim, new.num_heads, new.layout = qkv.in_features, cast(int, module.num_heads), layout
         new.head_dim = new.dim // new.num_heads
         new.scaling = float(getattr(module, "scaling", new.head_dim**-0.5))
-        new.qkv, new.proj = module.qkv, module.proj
+        new.qkv, new.proj = qkv, proj
         new.train(module.training)
         return new
 

@@ -1,6 +1,6 @@
 """`qkv lab NAME`: run one of the chapter's labs, print its answer, write its figure and JSON.
 
-    qkv lab rnn                      # quick (the default): about a minute on 2 cores
+    qkv lab rnn                      # the quick run (the default; its time: docs/labs.md)
     qkv lab scale --full --lang zh   # the longer run, its answer in Chinese
     qkv lab routing --json -         # stdout: the JSON document alone (the answer on stderr)
     qkv lab sparse --out figures     # the figure as figures/sparse.png
@@ -28,7 +28,7 @@ NO_NAME = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.required_message = NO_NAME  # type: ignore[attr-defined]
+    p.required_message = NO_NAME  # type: ignore[attr-defined]  # qkv.cli's parser (a layer up)
     p.add_argument("name", choices=LABS, help="which lab: " + ", ".join(LABS))
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the short run (default)")

@@ -122,9 +122,9 @@ class AttentionReader(nn.Module):
         k = self.W_k(h).unsqueeze(1)  # (B, 1, n, d_k)
         v = self.W_v(h).unsqueeze(1)  # (B, 1, n, d_model)
         res = attention(q, k, v, scale=self.scale, return_weights=return_weights)
-        out, weights = res if return_weights else (res, None)
-        logits = self.out(out[:, 0, 0])  # (B, n_out)
-        return (logits, weights[:, 0, 0]) if return_weights else logits
+        if isinstance(res, tuple):  # (out, weights)
+            return self.out(res[0][:, 0, 0]), res[1][:, 0, 0]  # (B, n_out), (B, n)
+        return self.out(res[:, 0, 0])  # (B, n_out)
 
 
 class LSTMReader(nn.Module):

@@ -291,7 +291,6 @@ TEXT = {
     "en": {
         "title": "RNN vs attention ({seconds:.0f} s)",
         "par": "1. Parallelism: forward+backward of one layer of width {width}, one sequence",
-        "par_cols": ("N", "LSTM", "attention", "steps LSTM/attn"),
         "par_threads": (
             "  on {threads} threads vs 1 at N={n}, median of {rounds} interleaved rounds: the "
             "LSTM ran {lstm:.2f}× as fast ({lstm_lo:.2f}–{lstm_hi:.2f}), attention {attn:.2f}× "
@@ -316,7 +315,6 @@ TEXT = {
         ),
         "rec_models": "  attention: {ap} parameters (d_model {dm}); LSTM: {lp} parameters "
         "(hidden {h})",
-        "rec_cols": ("d", "LSTM", "attention"),
         "rec_learned": "  training step at which the loss fell below {below} (per seed; — never): "
         "attention {attn}; LSTM {lstm}",
         "rec_claim": (
@@ -345,7 +343,6 @@ TEXT = {
     "zh": {
         "title": "RNN 与注意力（{seconds:.0f} 秒）",
         "par": "1. 并行性：宽度 {width} 的单层网络做一次前向+反向，输入一条序列",
-        "par_cols": ("N", "LSTM", "注意力", "串行步数 LSTM/注意力"),
         "par_threads": (
             "  N={n} 时，{threads} 个线程与 1 个线程相比（{rounds} 轮交替测量的中位数）："
             "LSTM 的速度是单线程的 {lstm:.2f} 倍（{lstm_lo:.2f}–{lstm_hi:.2f}），"
@@ -368,7 +365,6 @@ TEXT = {
             "训练 {steps} 步，{seeds} 个随机种子，每个 d 测试 {samples} 条长度 {length} 的序列"
         ),
         "rec_models": "  注意力：{ap} 个参数（d_model {dm}）；LSTM：{lp} 个参数（隐藏维度 {h}）",
-        "rec_cols": ("d", "LSTM", "注意力"),
         "rec_learned": (
             "  损失降到 {below} 以下时的训练步数（每个随机种子一个值；— 表示始终没有降到）："
             "注意力 {attn}；LSTM {lstm}"
@@ -391,6 +387,18 @@ TEXT = {
             "d 步之前的那一对几乎影响不了它的答案，短时间的训练里它也就学不会去用它；"
             "注意力一步就能到达任何位置"
         ),
+    },
+}
+
+# The tables' column headers, by language.
+COLUMNS = {
+    "en": {
+        "par": ("N", "LSTM", "attention", "steps LSTM/attn"),
+        "rec": ("d", "LSTM", "attention"),
+    },
+    "zh": {
+        "par": ("N", "LSTM", "注意力", "串行步数 LSTM/注意力"),
+        "rec": ("d", "LSTM", "注意力"),
     },
 }
 
@@ -473,7 +481,7 @@ def summary(doc: dict, lang: str = "en") -> str:
     p = doc["preset"]
     lines = [t("title", seconds=doc["seconds"]), t("par", width=p["width"])]
     widths = (6, 12, 14, 22)
-    lines.append(row(TEXT[lang]["par_cols"], widths))
+    lines.append(row(COLUMNS[lang]["par"], widths))
     for r in doc["parallel"]:
         lines.append(
             row(
@@ -534,7 +542,7 @@ def summary(doc: dict, lang: str = "en") -> str:
             h=m["lstm"]["hidden"],
         )
     )
-    lines.append(row(TEXT[lang]["rec_cols"], (6, 8, 10)))
+    lines.append(row(COLUMNS[lang]["rec"], (6, 8, 10)))
     for r in doc["recall"]:
         lines.append(f"  {r['distance']:>6} {r['lstm_acc']:>8.1%} {r['attention_acc']:>10.1%}")
     tr = doc["training"]
@@ -573,7 +581,7 @@ def _fade_lines(doc: dict, held: dict, lang: str) -> list[str]:
     t = pick(TEXT, lang)
     lstm = fade.relative([r["lstm_dependence"] for r in rec])
     attn = fade.relative([r["attention_dependence"] for r in rec])
-    lines = [t("fade"), row(TEXT[lang]["rec_cols"], (6, 10, 12))]
+    lines = [t("fade"), row(COLUMNS[lang]["rec"], (6, 10, 12))]
     for r, lo, at in zip(rec, lstm, attn, strict=True):
         lines.append(f"  {r['distance']:>6} {lo:>10.2g} {at:>12.2g}")
     lines.append(

@@ -235,7 +235,6 @@ TEXT = {
         "title": "Soft routing ({seconds:.0f} s)",
         "reach": "1. Gradient reach over {n} positions, width {w}, fresh weights ({trials} "
         "trials): the farthest distance whose gradient is ≥ 1% of the largest",
-        "reach_cols": ("model", "layers", "reach", "grad at d={far} / max"),
         "claim_cnn": "  claim: a CNN sees a fixed local window → {verdict} (reach = number of "
         "layers: {got})",
         "claim_lstm": "  claim: an RNN relays station by station, fading → {verdict} (at "
@@ -253,8 +252,6 @@ TEXT = {
         "title": "软路由（{seconds:.0f} 秒）",
         "reach": "1. 梯度能传多远：{n} 个位置，宽度 {w}，刚初始化的权重（{trials} 次试验）；"
         "“可达”是梯度不小于最大值 1% 的最远距离",
-        "reach_cols": ("模型", "层数", "可达", "d={far} 处的梯度/最大值"),
-        "models": {"cnn": "CNN", "lstm": "LSTM", "attention": "注意力"},
         "claim_cnn": "  论断：CNN 只看固定的局部窗口 → {verdict}（可达距离 = 层数：{got}）",
         "claim_lstm": "  论断：RNN 逐站接力，信号逐渐衰减 → {verdict}（d={far} 处的梯度是最大值的 "
         "{rel}；规则：低于 1%）",
@@ -268,6 +265,13 @@ TEXT = {
         "（规则：答案位置上的平均权重 ≥ 50%）",
     },
 }
+
+# The reach table's column headers, and the models' names where they are not English.
+COLUMNS = {
+    "en": ("model", "layers", "reach", "grad at d={far} / max"),
+    "zh": ("模型", "层数", "可达", "d={far} 处的梯度/最大值"),
+}
+MODEL_NAMES = {"zh": {"cnn": "CNN", "lstm": "LSTM", "attention": "注意力"}}
 
 
 def claims(doc: dict) -> dict[str, bool]:
@@ -298,13 +302,12 @@ def summary(doc: dict, lang: str = "en") -> str:
     far = p["length"] - 1
     lines = [t("title", seconds=doc["seconds"])]
     lines.append(t("reach", n=p["length"], w=p["width"], trials=p["trials"]))
-    cols = TEXT[lang]["reach_cols"]
+    cols = COLUMNS[lang]
     lines.append(row(cols[:3], (10, 6, 6)) + f"  {cols[3].format(far=far)}")
-    names = TEXT[lang].get("models", {})
+    names = MODEL_NAMES.get(lang, {})
     for r in doc["reach"]:
-        rel = f"{r['farthest_relative']:.2e}"
         cells = (names.get(r["model"], r["model"]), r["layers"], r["reach"])
-        lines.append(row(cells, (10, 6, 6)) + f"  {rel}")
+        lines.append(row(cells, (10, 6, 6)) + f"  {r['farthest_relative']:.2e}")
 
     sep = "、" if lang == "zh" else ", "
 

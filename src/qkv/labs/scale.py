@@ -198,20 +198,10 @@ TEXT = {
         "title": "Why √d_k ({seconds:.0f} s)",
         "var": "1. Var(q·k) for unit-variance q, k ({samples:,} pairs per d_k; closed form: d_k "
         "unscaled, 1 scaled)",
-        "var_cols": ("d_k", "q·k", "q·k/√d_k"),
         "var_claim": "  claim: the variance grows with d_k, the scale brings it back to 1 → "
         "{verdict} (every measurement within {tol:.0%} of the closed form)",
         "sat": "2. Softmax over {keys} keys: largest weight and entropy (uniform: {uni:.2f} nats); "
         "3. norm of its Jacobian",
-        "sat_cols": (
-            "d_k",
-            "max w, scale 1",
-            "max w, 1/√d_k",
-            "entropy 1",
-            "entropy 1/√d_k",
-            "‖J‖ 1",
-            "‖J‖ 1/√d_k",
-        ),
         "sat_claim": "  claim: unscaled, the softmax saturates → {verdict} (largest weight at "
         "d_k={d0}→{d}: {a0:.3f}→{a1:.3f} unscaled, {b0:.3f}→{b1:.3f} scaled; rule: unscaled "
         "≥ 0.9 at the largest d_k, scaled within 0.05 of where it started)",
@@ -228,20 +218,10 @@ TEXT = {
         "title": "为什么除以 √d_k（{seconds:.0f} 秒）",
         "var": "1. q、k 的分量方差为 1 时的 Var(q·k)（每个 d_k 取 {samples:,} 对；理论值："
         "不缩放时为 d_k，缩放后为 1）",
-        "var_cols": ("d_k", "q·k", "q·k/√d_k"),
         "var_claim": "  论断：方差随 d_k 增长，缩放后回到 1 → {verdict}"
         "（每个测量值与理论值相差都不超过 {tol:.0%}）",
         "sat": "2. 对 {keys} 个键做 softmax：最大权重与熵（均匀分布的熵为 {uni:.2f} nats）；"
         "3. softmax 的雅可比矩阵的范数",
-        "sat_cols": (
-            "d_k",
-            "最大权重 不缩放",
-            "最大权重 1/√d_k",
-            "熵 不缩放",
-            "熵 1/√d_k",
-            "‖J‖ 不缩放",
-            "‖J‖ 1/√d_k",
-        ),
         "sat_claim": "  论断：不缩放时 softmax 会饱和 → {verdict}（d_k 从 {d0} 到 {d}，最大权重："
         "不缩放时 {a0:.3f}→{a1:.3f}，缩放时 {b0:.3f}→{b1:.3f}；规则：不缩放时在最大的 d_k 处 "
         "≥ 0.9，缩放时与起点相差不超过 0.05）",
@@ -253,6 +233,34 @@ TEXT = {
         "train_row": "  训练 {step:>5} 步后的损失：1/√d_k {a:.3f}   不缩放 {b:.3f}",
         "train_claim": "  论断：不缩放时训练停滞 → {verdict}（最终损失：1/√d_k 为 {a:.3f}，"
         "不缩放为 {b:.3f}；规则：不缩放时的损失至少是缩放时的 1.5 倍）",
+    },
+}
+
+# The tables' column headers, by language.
+COLUMNS = {
+    "en": {
+        "var": ("d_k", "q·k", "q·k/√d_k"),
+        "sat": (
+            "d_k",
+            "max w, scale 1",
+            "max w, 1/√d_k",
+            "entropy 1",
+            "entropy 1/√d_k",
+            "‖J‖ 1",
+            "‖J‖ 1/√d_k",
+        ),
+    },
+    "zh": {
+        "var": ("d_k", "q·k", "q·k/√d_k"),
+        "sat": (
+            "d_k",
+            "最大权重 不缩放",
+            "最大权重 1/√d_k",
+            "熵 不缩放",
+            "熵 1/√d_k",
+            "‖J‖ 不缩放",
+            "‖J‖ 1/√d_k",
+        ),
     },
 }
 VARIANCE_TOLERANCE = 0.10
@@ -299,12 +307,12 @@ def summary(doc: dict, lang: str = "en") -> str:
     held = claims(doc)
     p = doc["preset"]
     lines = [t("title", seconds=doc["seconds"]), t("var", samples=p["samples"])]
-    lines.append(row(TEXT[lang]["var_cols"], (6, 12, 12)))
+    lines.append(row(COLUMNS[lang]["var"], (6, 12, 12)))
     for r in doc["variance"]:
         lines.append(f"  {r['d_k']:>6} {r['unscaled']:>12.3f} {r['scaled']:>12.4f}")
     lines.append(t("var_claim", verdict=verdict(held["variance"], lang), tol=VARIANCE_TOLERANCE))
     lines.append(t("sat", keys=p["keys"], uni=doc["uniform_entropy"]))
-    cols = TEXT[lang]["sat_cols"]
+    cols = COLUMNS[lang]["sat"]
     lines.append(row(cols, (15,) * len(cols)))
     for s, j in zip(doc["saturation"], doc["jacobian"], strict=True):
         cells = (

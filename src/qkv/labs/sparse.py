@@ -391,11 +391,8 @@ TEXT = {
         "to it; selected: its own block of {block} and the {topk} blocks whose mean key best "
         "matches its block's mean query (qkv.sparse.select_blocks); full: every position up to it",
         "acc": "1. Accuracy (in reach: the answers within the window's {keys} positions)",
-        "acc_cols": ("N", "in reach", "full", "window", "selected"),
         "cost": "2. One training step (forward+backward, {batch} sequences, 1 thread): median "
         "time, peak memory (rise of the resident set), keys read per query (mean)",
-        "cost_cols": ("N", "variant", "ms", "peak MiB", "keys/query"),
-        "names": {"full": "full", "window": "window", "selected": "selected"},
         "claim_window": "  claim: a window of the budget loses the answer once it leaves its reach "
         "→ {verdict} (window {a0:.0%} at N={n0}, where it reaches every position; {a1:.0%} at "
         "N={n1}, chance {chance:.1%}; rule: ≥ {learned:.0%} at the shortest N, ≤ {lost:.0%} at "
@@ -423,11 +420,8 @@ TEXT = {
         "按内容选块：它自己所在的块（每块 {block} 个位置），加上平均键与本块平均查询最匹配的 "
         "{topk} 个块（qkv.sparse.select_blocks）；完整注意力：读到它为止的每个位置",
         "acc": "1. 准确率（在窗口内：答案落在窗口的 {keys} 个位置之内的比例）",
-        "acc_cols": ("N", "在窗口内", "完整注意力", "滑动窗口", "按内容选块"),
         "cost": "2. 一个训练步（前向+反向，{batch} 条序列，1 个线程）：时间的中位数、"
         "内存峰值（常驻内存的增量）、每个查询平均读的键数",
-        "cost_cols": ("N", "注意力", "毫秒", "峰值 MiB", "键数/查询"),
-        "names": {"full": "完整注意力", "window": "滑动窗口", "selected": "按内容选块"},
         "claim_window": "  论断：同样预算的滑动窗口，一旦答案超出它的范围就找不到答案 → {verdict}"
         "（窗口在 N={n0} 时为 {a0:.0%}，此时它能看到每个位置；在 N={n1} 时为 {a1:.0%}，"
         "随机猜对 {chance:.1%}；规则：最短的 N 处 ≥ {learned:.0%}，最长的 N 处 ≤ {lost:.0%}）",
@@ -442,6 +436,23 @@ TEXT = {
         "right": "答对了",
         "wrong": "答错了",
     },
+}
+
+# The tables' column headers, by language.
+COLUMNS = {
+    "en": {
+        "acc": ("N", "in reach", "full", "window", "selected"),
+        "cost": ("N", "variant", "ms", "peak MiB", "keys/query"),
+    },
+    "zh": {
+        "acc": ("N", "在窗口内", "完整注意力", "滑动窗口", "按内容选块"),
+        "cost": ("N", "注意力", "毫秒", "峰值 MiB", "键数/查询"),
+    },
+}
+# The variants' names in the cost table, by language.
+NAMES = {
+    "en": {"full": "full", "window": "window", "selected": "selected"},
+    "zh": {"full": "完整注意力", "window": "滑动窗口", "selected": "按内容选块"},
 }
 
 
@@ -504,14 +515,14 @@ def summary(doc: dict, lang: str = "en") -> str:
         t("acc", keys=bud["keys"]),
     ]
     widths = (6, 10, 12, 12, 12)
-    lines.append(row(TEXT[lang]["acc_cols"], widths))
+    lines.append(row(COLUMNS[lang]["acc"], widths))
     for r in doc["accuracy"]:
         cells = (r["n"], f"{r['in_reach']:.1%}", *(f"{r[v]:.1%}" for v in VARIANTS))
         lines.append(row(cells, widths))
     lines.append(t("cost", batch=p["time_batch"]))
     widths = (6, 12, 10, 10, 11)
-    lines.append(row(TEXT[lang]["cost_cols"], widths))
-    names = TEXT[lang]["names"]
+    lines.append(row(COLUMNS[lang]["cost"], widths))
+    names = NAMES[lang]
     for c in doc["cost"]:
         mib = "—" if c["peak_mib"] is None else f"{c['peak_mib']:.1f}"
         n = c["n"] if c["variant"] == VARIANTS[0] else ""

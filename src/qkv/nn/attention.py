@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 from torch import nn
 
@@ -99,6 +101,15 @@ class Local:
 LOCAL = Local()
 
 
+class _Strategy(Protocol):
+    """What a module calls on its strategy: `Local`'s two methods (a sequence-parallel strategy
+    is checked for them when it is set)."""
+
+    def positions(self, n: int, start: int, device: torch.device) -> torch.Tensor: ...
+
+    def attention(self, q, k, v, *, cross: bool = False, cache: bool = False, **kwargs): ...
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with grouped-query heads, RoPE and a KV cache.
 
@@ -132,6 +143,8 @@ class MultiHeadAttention(nn.Module):
     attend causally to everything cached (RoPE positions continue from the cache length; a
     windowed cache attends to the last `window` positions) and only the new positions return.
     """
+
+    strategy: _Strategy  # LOCAL, or the sequence-parallel strategy set
 
     def __init__(
         self,
@@ -191,7 +204,7 @@ class MultiHeadAttention(nn.Module):
         elif callable(getattr(value, "attention", None)) and callable(
             getattr(value, "positions", None)
         ):
-            self.strategy = value
+            self.strategy = cast(_Strategy, value)  # it has both methods
         else:
             raise TypeError(
                 "sequence_parallel must be None or a strategy with attention(q, k, v, ...) and "
@@ -242,12 +255,13 @@ class MultiHeadAttention(nn.Module):
             k, v, _ = cache.update(k, v)
             if cache.window is not None:  # the last `window` positions, oldest first
                 window = masks.sliding_window(cache.window - 1, 0)
-                mask = window if mask is None else window & mask
+                # A tensor mask here raises TypeError (Mask & Tensor): a known gap, not typed away
+                mask = window if mask is None else window & mask  # type: ignore[operator]
                 causal = False
             else:
                 causal = True
         if self.select is not None and context is None:
-            mask = self._chosen(q, k, mask, causal, cache)
+            mask = self._chosen(self.select, q, k, mask, causal, cache)
         res = self.strategy.attention(
             q,
             k,
@@ -267,8 +281,10 @@ class MultiHeadAttention(nn.Module):
             weights = weights[0] if weights is not None else None
         return (out, weights) if return_weights else out
 
-    def _chosen(self, q, k, mask, causal: bool, cache: KVCache | None) -> masks.Mask:
-        """The blocks `select` chooses for this call (the forward's mask)."""
+    def _chosen(
+        self, select: BlockSelector, q, k, mask, causal: bool, cache: KVCache | None
+    ) -> masks.Mask:
+        """The blocks `select` (the module's) chooses for this call (the forward's mask)."""
         if cache is not None and cache.window is not None:
             raise ValueError("select chooses among all cached blocks; not with a windowed cache")
         if mask is not None:
@@ -276,9 +292,9 @@ class MultiHeadAttention(nn.Module):
         if self.sequence_parallel is not None:
             raise ValueError("select needs the whole sequence; not with sequence_parallel")
         pooled = None
-        if cache is not None and cache.pool_block == self.select.block:
+        if cache is not None and cache.pool_block == select.block:
             pooled = cache.pooled_keys()
-        return self.select(q, k, causal=causal, pooled_k=pooled)
+        return select(q, k, causal=causal, pooled_k=pooled)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:

@@ -88,10 +88,10 @@ class KVCache:
             raise ValueError("this KVCache keeps no pooled keys: build it with pool_block=")
         return self.key_means.narrow(2, 0, -(-self.length // self.pool_block))
 
-    def _pool(self, k: torch.Tensor, start: int) -> None:
-        """Add `k`'s keys (positions `start …`) to their blocks' sums; renew those blocks'
-        means."""
-        block, n = self.pool_block, k.shape[2]
+    def _pool(self, k: torch.Tensor, start: int, block: int) -> None:
+        """Add `k`'s keys (positions `start …`) to their blocks' sums (blocks of `block`
+        positions, `pool_block`); renew those blocks' means."""
+        n = k.shape[2]
         blocks = torch.arange(start, start + n, device=k.device) // block
         self.key_sums.index_add_(2, blocks, k.detach().float())
         b0, b1 = start // block, (start + n - 1) // block + 1
@@ -123,7 +123,7 @@ class KVCache:
             self.keys[:, :, start : start + n] = k
             self.values[:, :, start : start + n] = v
             if self.pool_block is not None and n:
-                self._pool(k, start)
+                self._pool(k, start, self.pool_block)
             self.length += n
             return self.keys[:, :, : start + n], self.values[:, :, : start + n], 0
         slots = self.keys.shape[2]

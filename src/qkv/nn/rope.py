@@ -24,6 +24,8 @@ class RotaryEmbedding(nn.Module):
     `position · base^(−2i/dim)`.
     """
 
+    inv_freq: torch.Tensor  # a buffer (nn.Module's attribute lookup types it loosely)
+
     def __init__(self, dim: int, base: float = 10000.0):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 or dim % 2:

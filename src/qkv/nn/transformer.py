@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -175,7 +177,7 @@ class Transformer(nn.Module):
     def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
         """One empty KVCache per layer, in the model's dtype and device."""
         p = next(self.parameters())
-        attn = self.blocks[0].attn
+        attn = cast(TransformerBlock, self.blocks[0]).attn  # every block is one
         return [
             KVCache(
                 batch_size, max_len, attn.n_kv_heads, attn.head_dim, dtype=p.dtype, device=p.device

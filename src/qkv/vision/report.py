@@ -79,7 +79,6 @@ TEXT = {
         "llm": "LLM over the image tokens, dense",
         "cost": "attention cost of one layer, forward, fp32 (encoder: 16 heads of 80 (Qwen), 16 of "
         "64\n(CLIP-L); LLM: 28 heads of 128 (Qwen2-7B), 32 of 128 (Mistral-7B)):",
-        "cols": ("tokens", "FLOPs", "weights", "O(N)"),
         "notes": "tokens: what the layer attends over (the encoder's are patches, 4 per Qwen LLM "
         "token);\nweights: the attention matrix of every head if materialised (eager attention);"
         "\nO(N): what a tiled kernel such as qkv's keeps instead (output and lse).",
@@ -109,7 +108,6 @@ TEXT = {
         "llm": "LLM 处理图像词元，稠密",
         "cost": "一层注意力的开销，前向，fp32（编码器：16 个 80 维的头（Qwen）、16 个 64 维的头\n"
         "（CLIP-L）；LLM：28 个 128 维的头（Qwen2-7B）、32 个 128 维的头（Mistral-7B））：",
-        "cols": ("词元", "FLOPs", "权重矩阵", "O(N)"),
         "notes": "词元：这一层在多少个词元上做注意力（编码器的是图块，每个 Qwen LLM 词元对应 4 "
         "个图块）；\n权重矩阵：把每个头的注意力矩阵都存下来时占的内存（eager 注意力）；\n"
         "O(N)：分块内核（例如 qkv 的）只需保存的内容（输出和 lse）。",
@@ -123,6 +121,12 @@ TEXT = {
         "series": "{model}：{label}",
         "max_pixels": "qwen2-vl，max_pixels 12845056",
     },
+}
+
+# The cost table's column headers, by language.
+COLUMNS = {
+    "en": ("tokens", "FLOPs", "weights", "O(N)"),
+    "zh": ("词元", "FLOPs", "权重矩阵", "O(N)"),
 }
 
 
@@ -198,7 +202,7 @@ def describe(
         t = image_tokens(model, width, height, **(options if model == "qwen2-vl" else {}))
         lines += _model_lines(t, options, lang)
         rows += [(f"{model:<11} {label}", c) for label, c in costs(t, lang)]
-    cols = TEXT[lang]["cols"]
+    cols = COLUMNS[lang]
     head = "".join(rjust(c, w) for c, w in zip(cols, (7, 14, 12, 11), strict=True))
     lines += ["", *say("cost").splitlines(), f"  {'':<52}{head}"]
     for label, c in rows:

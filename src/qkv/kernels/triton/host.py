@@ -308,8 +308,8 @@ def layout_for_device(plan: AttentionPlan, bm: int, bn: int, device: torch.devic
     shape for plain/causal problems; never for bool mask tensors (their content may change)."""
     if plan.pairs.mask is not None:
         return build_layout(plan, bm, bn, device)
-    key = ("triton-layout", plan.q_len, plan.kv_len, bm, bn, plan.pairs.causal, str(device))
-    key += (plan.batch, plan.heads, plan.kv_heads)
+    shape = (plan.batch, plan.heads, plan.kv_heads, plan.q_len, plan.kv_len)
+    key = ("triton-layout", *shape, bm, bn, plan.pairs.causal, str(device))
     return CACHE.get(key, lambda: build_layout(plan, bm, bn, device), owner=plan.pairs.rule)
 
 
@@ -560,7 +560,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 class TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, call, *params):  # type: ignore[override]
+    def forward(ctx, q, k, v, call, *params):
         out, lse, lse64 = call.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse64)
         ctx.call = call
@@ -569,14 +569,15 @@ class TritonAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):  # type: ignore[override]
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse64 = ctx.saved_tensors
         call: Call = ctx.call
         want_table = ctx.n_params > 0 and any(ctx.needs_input_grad[4:])
         with torch.no_grad():
             dq, dk, dv, dtable = call.backward(q, k, v, out, lse64, dout, dlse, want_table)
-        dparams = [None] * ctx.n_params
-        if dtable is not None:
+        dparams: list[torch.Tensor | None] = [None] * ctx.n_params
+        if dtable is not None:  # computed only for a modifier's table
+            assert call.spec is not None and call.spec.table is not None
             dparams[0] = dtable.to(call.spec.table.dtype)
         grads = once_differentiable("triton", (dq, dk, dv, *dparams), (q, k, v))
         return *grads[:3], None, *grads[3:]
