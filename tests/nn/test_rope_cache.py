@@ -70,6 +70,26 @@ def test_windowed_cache_equals_a_sliding_window_forward(window, prefill):
     assert cache.keys.shape[2] == window  # the ring never grows
 
 
+def test_windowed_cache_takes_a_bool_mask_over_its_keys():
+    torch.manual_seed(2)
+    window, prefill = 4, 6
+    m = qnn.MultiHeadAttention(16, 2, rope=True).double().eval()
+    x = torch.randn(1, prefill + 1, 16, dtype=torch.float64)
+    cache = qnn.KVCache(1, 10, 2, 8, window=window, dtype=torch.float64)
+    m(x[:, :prefill], cache=cache)
+    keep = torch.ones(1, 1, 1, window, dtype=torch.bool)
+    keep[..., 1] = False  # the step may not see the window's second key
+    got = m(x[:, prefill:], mask=keep, cache=cache)
+    i = torch.arange(prefill + 1)
+    dense = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    dense[prefill, prefill + 1 - window + 1] = False
+    want = m(x, mask=dense)[:, -1:]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="takes a bool mask or a qkv Mask, not a float mask"):
+        m(x[:, prefill:], mask=torch.zeros(1, 1, 1, window, dtype=torch.float64), cache=cache)
+    assert cache.length == prefill + 1  # the refused step cached nothing
+
+
 def test_cache_overflow_is_an_error():
     m = qnn.MultiHeadAttention(16, 2)
     cache = qnn.KVCache(1, 4, 2, 8)

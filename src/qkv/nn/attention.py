@@ -110,6 +110,23 @@ class _Strategy(Protocol):
     def attention(self, q, k, v, *, cross: bool = False, cache: bool = False, **kwargs): ...
 
 
+def _within_window(
+    window: masks.Mask, mask: torch.Tensor | masks.Mask | None
+) -> torch.Tensor | masks.Mask:
+    """A windowed cache's window and the caller's mask, combined by "and": a bool tensor over
+    the cache's keys becomes a Mask (`masks.from_tensor`); a float mask cannot join a Mask."""
+    if mask is None:
+        return window
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            raise ValueError(
+                "a KVCache with a window takes a bool mask or a qkv Mask, not a float mask "
+                f"({mask.dtype}): pass the allowed pairs as a bool mask (True = may attend)"
+            )
+        mask = masks.from_tensor(mask)
+    return window & mask
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with grouped-query heads, RoPE and a KV cache.
 
@@ -252,14 +269,10 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             if context is not None:
                 raise ValueError("a KVCache holds self-attention keys; do not pass context with it")
-            k, v, _ = cache.update(k, v)
             if cache.window is not None:  # the last `window` positions, oldest first
-                window = masks.sliding_window(cache.window - 1, 0)
-                # A tensor mask here raises TypeError (Mask & Tensor): a known gap, not typed away
-                mask = window if mask is None else window & mask  # type: ignore[operator]
-                causal = False
-            else:
-                causal = True
+                mask = _within_window(masks.sliding_window(cache.window - 1, 0), mask)
+            causal = cache.window is None
+            k, v, _ = cache.update(k, v)  # after every check: a refused call caches nothing
         if self.select is not None and context is None:
             mask = self._chosen(self.select, q, k, mask, causal, cache)
         res = self.strategy.attention(
