@@ -13,7 +13,10 @@ import qkv
 import qkv.distributed as qd
 from qkv import masks
 from qkv import nn as qnn
+from qkv.distributed._blocks import block_pairs, schedule
+from qkv.distributed.sharding import segments
 from qkv.kernels import TiledBackend
+from qkv.pairs import Pairs
 
 from ..helpers import make_qkv
 
@@ -75,6 +78,44 @@ def test_masks_skip_blocks():
     tiles = qd.tiles_per_rank(4096, 4, "contiguous", mask=window)
     dense = qd.tiles_per_rank(4096, 4, "contiguous")
     assert sum(tiles) < sum(dense) / 10
+
+
+PER_HEAD = torch.rand(3, 24, 24, generator=torch.Generator().manual_seed(1)) < 0.5
+
+
+@pytest.mark.parametrize("layout", qd.LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    ("causal", "mask", "heads"),
+    [
+        (True, None, (0, 1)),
+        (False, masks.sliding_window(5, 2), (0, 1)),
+        (True, masks.document([7, 13, 4]), (0, 1)),
+        (False, masks.from_tensor(PER_HEAD), (1, 2)),  # heads 1 and 2 of 3
+    ],
+)
+def test_block_pairs_cut_the_global_pairs(layout, world, causal, mask, heads):
+    """Every scheduled block's pairs, for a slice of the heads, are the global pairs at the
+    block's positions; a block left out holds none, and only a rule's bounds skip one that
+    causality does not hide."""
+    n, (h0, nh) = 24, heads
+    whole = Pairs(n, n, causal=causal, rule=mask)
+    dense = whole.dense()
+    for qr in range(world):
+        for kr in range(world):
+            kept, _ = schedule(qr, kr, world, n // world, layout, whole)
+            for blk in kept:
+                want = dense[:, h0 : h0 + nh, blk.q.start : blk.q.stop, blk.k.start : blk.k.stop]
+                got = blk.heads(whole, h0, nh).dense()  # None: every pair may attend
+                got = torch.ones_like(want) if got is None else got.expand_as(want)
+                assert torch.equal(got, want), (qr, kr, blk)
+            starts = {(b.q.start, b.k.start) for b in kept}
+            for qs in segments(qr, world, n // world, layout):
+                for ks in segments(kr, world, n // world, layout):
+                    if (qs.start, ks.start) in starts:
+                        continue
+                    assert not dense[..., qs.start : qs.stop, ks.start : ks.stop].any()
+                    assert block_pairs(whole, qs, ks) is None or mask.has_bounds
 
 
 def test_shard_and_positions_in_one_process():

@@ -1,11 +1,12 @@
 """One block of ring attention: queries of this rank × keys of one rank, at global positions.
 
 A rank's shard is one run of positions (contiguous layout) or two (zigzag). A *block* pairs a
-run of query rows with a run of key rows. Causality is decided per block from the global
-positions (a block is entirely in the future, entirely in the past, or on the diagonal, because
-the runs are equal, aligned chunks), and a structured `qkv.masks.Mask` is evaluated at the
-block's global positions through `at_offset`, which also lets its tile bounds skip a block that
-the mask leaves empty.
+run of query rows with a run of key rows. Its pairs are derived from the one description of the
+whole problem, a `qkv.pairs.Pairs` over global positions (`block_pairs`): causality is decided
+per block from the global positions (a block is entirely in the future, entirely in the past,
+or on the diagonal, because the runs are equal, aligned chunks), and a structured
+`qkv.masks.Mask` is seen from the block's global positions (`Mask.shifted`), which also lets
+its tile bounds skip a block that the mask leaves empty.
 
 The per-block kernels are the tiled backend's forward and backward loops. The backward is
 handed the *merged* (global) output and lse of the query rows: with those,
@@ -16,7 +17,7 @@ backward is already written per tile this way).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,21 +25,34 @@ from ..kernels.tiled.steps import RowStats, TileProblem, Tiling, backward_loop, 
 from ..layout import build, causal_bounds, layout_for
 from ..masks import Mask
 from ..numerics import row_dot
+from ..pairs import Pairs
 from ..plan import make_plan
 from .sharding import Segment, segments
 
 
-def at_offset(
-    mask: Mask,
-    q_start: int,
-    k_start: int,
-    n_global: int,
-    head_start: int = 0,
-    heads: int | None = None,
-) -> Mask:
-    """`mask` (written for the whole N×N problem and all H heads) seen from a square block
-    whose query rows start at global position `q_start` and keys at `k_start` (`Mask.shifted`)."""
-    return mask.shifted(q_start, k_start, n_global, head_start, heads)
+def block_pairs(
+    pairs: Pairs, q: Segment, k: Segment, head_start: int = 0, heads: int | None = None
+) -> Pairs | None:
+    """The pairs of one block of the whole problem `pairs` (N × N at global positions; a
+    sharded problem holds the causal flag and a structured rule, nothing else): queries in the
+    run `q` against keys in the run `k`, for query heads `head_start …` (`heads` of them; by
+    default every head the rule is written for). None when causality hides the whole block
+    (every key after every query); the flag is kept on the diagonal only, where the runs are
+    equal and the block's own bottom-right alignment is the global rule. The rule is seen from
+    the block's positions and heads (`Mask.shifted`)."""
+    diagonal = False
+    if pairs.causal:
+        some, every = causal_bounds(q.start, q.stop - 1, k.start, k.stop - 1)
+        if not some:  # every key after every query
+            return None
+        diagonal = not every  # some key after some query
+        if diagonal and (k.start, k.length) != (q.start, q.length):
+            raise AssertionError("runs of equal, aligned chunks overlap only as equals")
+    rule = pairs.rule
+    if rule is not None:
+        h = rule.heads if heads is None else heads
+        rule = rule.shifted(q.start, k.start, pairs.kv_len, head_start, h)
+    return Pairs(q.length, k.length, causal=diagonal, rule=rule)
 
 
 @dataclass(frozen=True)
@@ -47,59 +61,53 @@ class Block:
 
     q: Segment  # the query run (global start, length, rows in the shard)
     k: Segment  # the key run
-    causal: bool  # on the diagonal: apply causality inside the block
+    pairs: Pairs  # which of its pairs may attend (`block_pairs`), every head
+
+    def heads(self, whole: Pairs, start: int, count: int) -> Pairs:
+        """Its pairs for query heads `start … start + count − 1` of the whole problem `whole`
+        (a ring pass over a slice of the heads; a Ulysses rank's heads)."""
+        pairs = block_pairs(whole, self.q, self.k, start, count)
+        assert pairs is not None  # a block that causality hides is never scheduled
+        return pairs
 
 
 def schedule(
-    q_rank: int,
-    k_rank: int,
-    world: int,
-    n_local: int,
-    layout: str,
-    causal: bool,
-    mask: Mask | None,
+    q_rank: int, k_rank: int, world: int, n_local: int, layout: str, pairs: Pairs
 ) -> tuple[list[Block], int]:
-    """The blocks rank `q_rank` computes against the keys of `k_rank`, and how many it skips.
+    """The blocks rank `q_rank` computes against the keys of `k_rank` in the whole problem
+    `pairs`, and how many it skips.
 
     Without causality or a mask the whole shard is one block (one kernel call)."""
     q_segs = segments(q_rank, world, n_local, layout)
     k_segs = segments(k_rank, world, n_local, layout)
-    if not causal and mask is None:
+    if not pairs.restricted:
         whole_q = Segment(q_segs[0].start, n_local, 0)
         whole_k = Segment(k_segs[0].start, n_local, 0)
-        return [Block(whole_q, whole_k, False)], 0
-    n_global = n_local * world
+        return [Block(whole_q, whole_k, Pairs(n_local, n_local))], 0
     blocks, skipped = [], 0
     for qs in q_segs:
         for ks in k_segs:
-            diagonal = False
-            if causal:
-                some, every = causal_bounds(qs.start, qs.stop - 1, ks.start, ks.stop - 1)
-                if not some:  # every key after every query
-                    skipped += 1
-                    continue
-                diagonal = not every  # some key after some query
-                if diagonal and (ks.start, ks.length) != (qs.start, qs.length):
-                    raise AssertionError("runs of equal, aligned chunks overlap only as equals")
-            if mask is not None and mask.has_bounds:
-                shifted = at_offset(mask, qs.start, ks.start, n_global, 0, mask.heads)
-                if build(qs.length, ks.length, qs.length, ks.length, rule=shifted).nnz == 0:
-                    skipped += 1
-                    continue
-            blocks.append(Block(qs, ks, diagonal))
+            mine = block_pairs(pairs, qs, ks)
+            if mine is None or _rule_empties(mine):
+                skipped += 1
+                continue
+            blocks.append(Block(qs, ks, mine))
     return blocks, skipped
 
 
-def block_mask(
-    block: Block, mask: Mask | None, n_global: int, head_start: int, heads: int
-) -> Mask | None:
-    if mask is None:
-        return None
-    return at_offset(mask, block.q.start, block.k.start, n_global, head_start, heads)
+def _rule_empties(pairs: Pairs) -> bool:
+    """Whether the rule's tile bounds say that it leaves the whole block empty (read as one
+    tile; a rule without bounds is never asked)."""
+    rule = pairs.rule
+    if rule is None or not rule.has_bounds:
+        return False
+    n, m = pairs.q_len, pairs.kv_len
+    return build(n, m, n, m, rule=rule).nnz == 0
 
 
-def _plan(q, k, v, block: Block, mask: Mask | None, scale: float):
-    return make_plan(q, k, v, mask=mask, causal=block.causal, scale=scale, return_lse=True)
+def _plan(q, k, v, pairs: Pairs, scale: float):
+    """The block's plan: its shapes and scale, and its pairs as derived (`block_pairs`)."""
+    return replace(make_plan(q, k, v, scale=scale, return_lse=True), pairs=pairs)
 
 
 class Softmax:
@@ -137,14 +145,14 @@ def forward(
     k: torch.Tensor,
     v: torch.Tensor,
     block: Block,
-    mask: Mask | None,
+    pairs: Pairs,
     scale: float,
 ) -> int:
-    """Fold one block into `state` (rows `block.q.rows`); return the tiles computed. q, k, v
-    are already cut to the block, in the compute dtype. The loop is the tiled kernel's forward
-    (its step `qkv.kernels.tiled.steps.fold_run`) with the running (m, l, acc) read from and
-    written back to `state` instead of starting afresh."""
-    T = TileProblem(_plan(q, k, v, block, mask, scale), q, tiling)
+    """Fold one block into `state` (rows `block.q.rows`; `pairs`: its pairs for these heads);
+    return the tiles computed. q, k, v are already cut to the block, in the compute dtype. The
+    loop is the tiled kernel's forward (its step `qkv.kernels.tiled.steps.fold_run`) with the
+    running (m, l, acc) read from and written back to `state` instead of starting afresh."""
+    T = TileProblem(_plan(q, k, v, pairs, scale), q, tiling)
     plan = T.plan
     B, Hkv, G, D, Dv = plan.batch, plan.kv_heads, plan.groups, plan.head_dim, plan.v_dim
     qs = q.reshape(B, Hkv, G, plan.q_len, D)  # (B, Hkv, G, n, D)
@@ -174,12 +182,12 @@ def backward(
     lse: torch.Tensor,
     dout: torch.Tensor | None,
     dlse: torch.Tensor | None,
-    block: Block,
-    mask: Mask | None,
+    pairs: Pairs,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block's contributions (dq, dk, dv), given the merged out/lse of its query rows."""
-    tiles = TileProblem(_plan(q, k, v, block, mask, scale), q, tiling)
+    """The block's contributions (dq, dk, dv), given the merged out/lse of its query rows
+    (`pairs`: the block's pairs for these heads)."""
+    tiles = TileProblem(_plan(q, k, v, pairs, scale), q, tiling)
     # D_i over the row's keys on every rank: rowsum(dO ∘ O) of the merged output
     delta = row_dot(out.new_zeros(out.shape) if dout is None else dout, out, torch.float64)
     if dlse is not None:
@@ -200,18 +208,13 @@ def tiles_per_rank(
     """Tiles (block × block of the tiled kernel) each rank computes in one ring forward over a
     sequence of `seq_len` tokens, without running it: the work balance of a layout."""
     n_local = seq_len // world
-    tiling = Tiling(block, block)
+    whole = Pairs(seq_len, seq_len, causal=causal, rule=mask)
     counts = []
     for rank in range(world):
         total = 0
         for step in range(world):
             src = (rank - step) % world
-            blocks, _ = schedule(rank, src, world, n_local, layout, causal, mask)
-            for blk in blocks:
-                q = torch.empty(1, 1, blk.q.length, 1, device="meta")
-                k = torch.empty(1, 1, blk.k.length, 1, device="meta")
-                m = block_mask(blk, mask, seq_len, 0, mask.heads if mask else None)
-                plan = _plan(q, k, k, blk, m, 1.0)
-                total += layout_for(plan.pairs, tiling.block_q, tiling.block_k).nnz
+            blocks, _ = schedule(rank, src, world, n_local, layout, whole)
+            total += sum(layout_for(blk.pairs, block, block).nnz for blk in blocks)
         counts.append(total)
     return counts

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..masks import Mask
+from ..pairs import Pairs
 from ..plan import make_plan, to_4d
 from . import _comm
 from .sharding import LAYOUTS, check_layout, pieces
@@ -27,8 +28,10 @@ class Problem:
     rank: int  # this process's rank in the group
     world: int  # P, ranks in the group
     layout: str  # "contiguous" or "zigzag"
-    causal: bool  # causal over global positions
-    mask: Mask | None  # structured mask over the whole N×N problem, global positions
+    # which pairs of the whole N×N problem may attend, at global positions: the causal flag and
+    # a structured Mask; every block's and every rank's pairs are derived from it
+    # (`_blocks.block_pairs`)
+    pairs: Pairs
     scale: float  # multiplies Q Kᵀ
     return_lse: bool  # the caller wants lse
     input_rank: int  # 2, 3 or 4: the caller's layout, restored on the way out
@@ -114,13 +117,13 @@ def validate(
     _comm.agree(group, what, fields, error, hint)
     assert plan is not None  # no error anywhere
     q4, k4 = to_4d(q), to_4d(k)  # type: ignore[arg-type]
+    n = q4.shape[2] * world
     return Problem(
         group=group,
         rank=rank,
         world=world,
         layout=str(layout),
-        causal=bool(causal),
-        mask=mask,  # type: ignore[arg-type]
+        pairs=Pairs(n, n, causal=bool(causal), rule=mask),  # type: ignore[arg-type]
         scale=plan.scale,
         return_lse=bool(return_lse),
         input_rank=plan.input_rank,

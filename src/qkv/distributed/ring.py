@@ -81,11 +81,8 @@ def _ring_forward(cfg: _Config, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         for step in range(P.world):
             src = (P.rank - step) % P.world  # whose keys/values we hold now
             pending = ring.shift(kv, TAG_KV) if step < P.world - 1 else None
-            blocks, skipped = _blocks.schedule(
-                P.rank, src, P.world, P.n_local, P.layout, P.causal, P.mask
-            )
+            blocks, skipped = _blocks.schedule(P.rank, src, P.world, P.n_local, P.layout, P.pairs)
             for blk in blocks:
-                mask = _blocks.block_mask(blk, P.mask, P.n_global, c * (H // g), H // g)
                 tiles = _blocks.forward(
                     cfg.backend.tiling,
                     state,
@@ -93,7 +90,7 @@ def _ring_forward(cfg: _Config, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                     kv[0][:, :, blk.k.rows].to(cdt),
                     kv[1][:, :, blk.k.rows].to(cdt),
                     blk,
-                    mask,
+                    blk.heads(P.pairs, c * (H // g), H // g),
                     P.scale,
                 )
                 if c == 0:
@@ -130,12 +127,9 @@ def _ring_backward(cfg: _Config, q, k, v, out, lse, dout, dlse):
             # This rank's contributions to the gradients of rank src's keys/values.
             dk_acc = torch.zeros(kv[0].shape, dtype=cdt, device=q.device)
             dv_acc = torch.zeros(kv[1].shape, dtype=cdt, device=q.device)
-            blocks, _ = _blocks.schedule(
-                P.rank, src, P.world, P.n_local, P.layout, P.causal, P.mask
-            )
+            blocks, _ = _blocks.schedule(P.rank, src, P.world, P.n_local, P.layout, P.pairs)
             for blk in blocks:
                 rows, cols = blk.q.rows, blk.k.rows
-                mask = _blocks.block_mask(blk, P.mask, P.n_global, c * (H // g), H // g)
                 dq_b, dk_b, dv_b = _blocks.backward(
                     cfg.backend.tiling,
                     q_c[:, :, rows],
@@ -145,8 +139,7 @@ def _ring_backward(cfg: _Config, q, k, v, out, lse, dout, dlse):
                     lse_c[:, :, rows],
                     None if do_c is None else do_c[:, :, rows],
                     None if dl_c is None else dl_c[:, :, rows],
-                    blk,
-                    mask,
+                    blk.heads(P.pairs, c * (H // g), H // g),
                     P.scale,
                 )
                 dq_c[:, :, rows] += dq_b

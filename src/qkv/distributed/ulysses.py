@@ -22,6 +22,7 @@ links (it scales across nodes), and skips blocks that causality or a sparse mask
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -29,9 +30,9 @@ from ..functional import attention
 from ..masks import Mask
 from ..plan import from_4d, to_4d
 from . import _comm
-from ._blocks import at_offset
+from ._blocks import Block
 from ._problem import validate
-from .sharding import segments
+from .sharding import Segment, segments
 
 
 def _runs(world: int, n: int, layout: str) -> list[tuple[int, slice, slice]]:
@@ -140,11 +141,14 @@ def ulysses_attention(
         extra=extra,
     )
     P, rank = problem.world, problem.rank
-    kwargs = dict(causal=causal, scale=problem.scale, return_lse=return_lse, backend=backend)
-    if P == 1:
-        return attention(q, k, v, mask=mask, **kwargs)
-    q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
+    kwargs: dict[str, Any] = dict(scale=problem.scale, return_lse=return_lse, backend=backend)
+    if P == 1:  # the whole problem, every head
+        return attention(q, k, v, causal=problem.pairs.causal, mask=problem.pairs.rule, **kwargs)
     H, Hkv = problem.heads, problem.kv_heads
+    # this rank's problem: the whole sequence, its H/P heads
+    whole = Segment(0, problem.n_global, 0)
+    pairs = Block(whole, whole, problem.pairs).heads(problem.pairs, rank * (H // P), H // P)
+    q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
     repeat = P // math.gcd(Hkv, P)  # divides H/Hkv because P divides H
     if repeat > 1:  # query head h still reads kv head h // (H/Hkv) of the original
         k4, v4 = k4.repeat_interleave(repeat, 1), v4.repeat_interleave(repeat, 1)
@@ -156,10 +160,9 @@ def ulysses_attention(
     def scatter(y):
         return _HeadsToSeq.apply(y, P, layout, group)
 
-    m = None
-    if mask is not None:
-        m = at_offset(mask, 0, 0, problem.n_global, rank * (H // P), H // P)
-    res = attention(gather(q4), gather(k4), gather(v4), mask=m, **kwargs)
+    res = attention(
+        gather(q4), gather(k4), gather(v4), causal=pairs.causal, mask=pairs.rule, **kwargs
+    )
     out, lse = res if return_lse else (res, None)
     out = from_4d(scatter(out), problem.input_rank)
     if lse is None:
