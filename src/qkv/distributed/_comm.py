@@ -10,11 +10,14 @@ import dataclasses
 import struct
 import zlib
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from ..plan import SUPPORTED_DTYPES
+
+Group = dist.ProcessGroup | None  # a validated group (`rank_world`); None: the default group
 
 
 @dataclasses.dataclass
@@ -66,14 +69,14 @@ def rank_world(group: object) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-def global_rank(group: object, rank: int) -> int:
+def global_rank(group: Group, rank: int) -> int:
     """The global rank of `rank` of `group` (what point-to-point ops address)."""
     if group is None or group is dist.GroupMember.WORLD:
         return rank
     return dist.get_global_rank(group, rank)
 
 
-def _collective_device(group: object) -> torch.device:
+def _collective_device(group: Group) -> torch.device:
     """Where a small control tensor must live for this group's backend (NCCL needs CUDA)."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -114,7 +117,7 @@ def text_code(s: str) -> int:
 
 
 def agree(
-    group: object,
+    group: Group,
     what: str,
     fields: dict[str, tuple[int, ...]],
     error: BaseException | None,
@@ -146,7 +149,7 @@ def agree(
         mine_err = None if error is None else (type(error).__name__, str(error))
         dist.all_gather_object(errors, mine_err, group=group)
         first = next(i for i, e in enumerate(errors) if e is not None)
-        kind, message = errors[first]  # type: ignore[misc]
+        kind, message = cast(tuple[str, str], errors[first])  # a rank's (type name, text)
         exc = TypeError if kind == "TypeError" else ValueError
         raise exc(f"{what}: rank {first} of {world}: {message}")
     at = 1
@@ -191,7 +194,7 @@ class Pending:
 class Ring:
     """Point-to-point transfers to the next rank and from the previous one, as one batch."""
 
-    def __init__(self, group: object, rank: int, world: int):
+    def __init__(self, group: Group, rank: int, world: int):
         self.group = group
         self.next = global_rank(group, (rank + 1) % world)
         self.prev = global_rank(group, (rank - 1) % world)
@@ -214,7 +217,7 @@ class Ring:
 # --------------------------------------------------------------------------- all-to-all
 
 
-def all_to_all(x: torch.Tensor, group: object) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
     """`x (P, …)`: slice p goes to rank p; slice p of the result came from rank p."""
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -226,7 +229,7 @@ def all_to_all(x: torch.Tensor, group: object) -> torch.Tensor:
     return out
 
 
-def all_gather(x: torch.Tensor, group: object, world: int) -> list[torch.Tensor]:
+def all_gather(x: torch.Tensor, group: Group, world: int) -> list[torch.Tensor]:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
@@ -235,7 +238,7 @@ def all_gather(x: torch.Tensor, group: object, world: int) -> list[torch.Tensor]
     return parts
 
 
-def all_reduce(x: torch.Tensor, group: object) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
     return x

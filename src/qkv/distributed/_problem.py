@@ -24,7 +24,7 @@ _SHAPE_HINT = (
 class Problem:
     """A validated sharded attention call, the same on every rank but `rank`."""
 
-    group: object  # the process group (None: the default group)
+    group: _comm.Group  # the process group (None: the default group)
     rank: int  # this process's rank in the group
     world: int  # P, ranks in the group
     layout: str  # "contiguous" or "zigzag"
@@ -57,7 +57,7 @@ def validate(
     mask: object,
     scale: object,
     layout: object,
-    group: object,
+    group: _comm.Group,
     return_lse: object,
     extra: Callable[[int, int, int, int], None] | None = None,
     extra_fields: dict[str, tuple[int, ...]] | None = None,
@@ -116,14 +116,17 @@ def validate(
     )
     _comm.agree(group, what, fields, error, hint)
     assert plan is not None  # no error anywhere
-    q4, k4 = to_4d(q), to_4d(k)  # type: ignore[arg-type]
+    # what make_plan and the mask check accepted on every rank
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert mask is None or isinstance(mask, Mask)
+    q4, k4 = to_4d(q), to_4d(k)
     n = q4.shape[2] * world
     return Problem(
         group=group,
         rank=rank,
         world=world,
         layout=str(layout),
-        pairs=Pairs(n, n, causal=bool(causal), rule=mask),  # type: ignore[arg-type]
+        pairs=Pairs(n, n, causal=bool(causal), rule=mask),
         scale=plan.scale,
         return_lse=bool(return_lse),
         input_rank=plan.input_rank,

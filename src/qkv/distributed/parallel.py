@@ -30,7 +30,7 @@ METHODS = ("ring", "ulysses")
 class SequenceParallel:
     """How a module shards its attention over the sequence."""
 
-    group: object = None  # the process group; None is the default group
+    group: dist.ProcessGroup | None = None  # the process group; None is the default group
     layout: str = "zigzag"  # how the sequence is cut: "contiguous" or "zigzag"
     method: str = "ring"  # "ring" (ring_attention) or "ulysses" (ulysses_attention)
     head_chunks: int | str = "auto"  # ring only: passes over slices of the heads (ring_attention)
@@ -101,10 +101,20 @@ class SequenceParallel:
                 "with sequence_parallel, mask must be a structured qkv.masks.Mask over global "
                 f"positions, got {type(mask).__name__}"
             )
-        kw = dict(causal=causal, mask=mask, layout=self.layout, group=self.group)
         if self.method == "ring":
-            return ring_attention(q, k, v, head_chunks=self.head_chunks, **kw)
-        return ulysses_attention(q, k, v, **kw)
+            return ring_attention(
+                q,
+                k,
+                v,
+                causal=causal,
+                mask=mask,
+                layout=self.layout,
+                group=self.group,
+                head_chunks=self.head_chunks,
+            )
+        return ulysses_attention(
+            q, k, v, causal=causal, mask=mask, layout=self.layout, group=self.group
+        )
 
 
 def parallelize(module: torch.nn.Module, sequence_parallel: object = True) -> torch.nn.Module:

@@ -162,7 +162,7 @@ def _ring_backward(cfg: _Config, q, k, v, out, lse, dout, dlse):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg):  # type: ignore[override]
+    def forward(ctx, q, k, v, cfg):
         out, lse = _ring_forward(cfg, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
@@ -170,7 +170,7 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):  # type: ignore[override]
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
             grads = _ring_backward(ctx.cfg, q, k, v, out, lse, dout, dlse)
@@ -186,7 +186,7 @@ def ring_attention(
     mask: Mask | None = None,
     scale: float | None = None,
     layout: str = "contiguous",
-    group: object = None,
+    group: _comm.Group = None,
     return_lse: bool = False,
     head_chunks: int | str = "auto",
     backend: TiledBackend | None = None,
@@ -257,7 +257,7 @@ def ring_attention(
         extra=extra,
         extra_fields={"head_chunks": (head_chunks if isinstance(head_chunks, int) else 0,)},
     )
-    chunks = problem.kv_heads if head_chunks == "auto" else head_chunks
+    chunks = head_chunks if isinstance(head_chunks, int) else problem.kv_heads  # "auto"
     cfg = _Config(problem, backend, chunks)
     out, lse = _RingAttention.apply(to_4d(q), to_4d(k), to_4d(v), cfg)
     rank = problem.input_rank

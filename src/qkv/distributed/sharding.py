@@ -46,7 +46,7 @@ class Segment:
 def check_layout(layout: object) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return layout  # type: ignore[return-value]
+    return layout
 
 
 def pieces(layout: str) -> int:
@@ -65,7 +65,7 @@ def segments(rank: int, world: int, n_local: int, layout: str) -> tuple[Segment,
 def positions(
     n_local: int,
     layout: str = "contiguous",
-    group: object = None,
+    group: _comm.Group = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Global positions `(n_local,)` int64 of this rank's shard (e.g. for RoPE)."""
@@ -91,7 +91,7 @@ def _dim(x: torch.Tensor, dim: object) -> int:
 
 
 def shard(
-    x: torch.Tensor, dim: int, layout: str = "contiguous", group: object = None
+    x: torch.Tensor, dim: int, layout: str = "contiguous", group: _comm.Group = None
 ) -> torch.Tensor:
     """This rank's shard of the full tensor `x` along `dim` (a copy, differentiable).
 
@@ -115,12 +115,12 @@ def shard(
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, layout, group, rank, world):  # type: ignore[override]
+    def forward(ctx, x, dim, layout, group, rank, world):
         ctx.dim, ctx.layout, ctx.group, ctx.rank, ctx.world = dim, layout, group, rank, world
         return unshard_parts(_comm.all_gather(x, group, world), dim, layout)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         # Every rank used the whole tensor: this shard's gradient is the sum over ranks.
         total = _comm.all_reduce(grad, ctx.group)
         n_local = total.shape[ctx.dim] // ctx.world
@@ -142,7 +142,7 @@ def unshard_parts(parts: list[torch.Tensor], dim: int, layout: str) -> torch.Ten
 
 
 def unshard(
-    x_local: torch.Tensor, dim: int, layout: str = "contiguous", group: object = None
+    x_local: torch.Tensor, dim: int, layout: str = "contiguous", group: _comm.Group = None
 ) -> torch.Tensor:
     """The full tensor, gathered from every rank's shard along `dim` (collective: every rank
     calls it and gets the same result). Differentiable: the gradient of a shard is the sum over

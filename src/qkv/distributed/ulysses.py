@@ -44,7 +44,7 @@ def _runs(world: int, n: int, layout: str) -> list[tuple[int, slice, slice]]:
     ]
 
 
-def _seq_to_heads(x: torch.Tensor, world: int, layout: str, group: object) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, world: int, layout: str, group: _comm.Group) -> torch.Tensor:
     """`(B, Hx, n, …)` this rank's tokens of every head → `(B, Hx/P, N, …)` every token (in
     sequence order) of this rank's heads."""
     B, Hx, n = x.shape[:3]
@@ -57,7 +57,7 @@ def _seq_to_heads(x: torch.Tensor, world: int, layout: str, group: object) -> to
     return out
 
 
-def _heads_to_seq(y: torch.Tensor, world: int, layout: str, group: object) -> torch.Tensor:
+def _heads_to_seq(y: torch.Tensor, world: int, layout: str, group: _comm.Group) -> torch.Tensor:
     """The inverse: `(B, Hx/P, N, …)` → `(B, Hx, n, …)`."""
     B, h, N = y.shape[:3]
     rest = y.shape[3:]
@@ -73,23 +73,23 @@ class _SeqToHeads(torch.autograd.Function):
     """A permutation of the tokens × heads across ranks: its adjoint is its inverse."""
 
     @staticmethod
-    def forward(ctx, x, world, layout, group):  # type: ignore[override]
+    def forward(ctx, x, world, layout, group):
         ctx.args = (world, layout, group)
         return _seq_to_heads(x, world, layout, group)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         return _heads_to_seq(grad.contiguous(), *ctx.args), None, None, None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, world, layout, group):  # type: ignore[override]
+    def forward(ctx, y, world, layout, group):
         ctx.args = (world, layout, group)
         return _heads_to_seq(y, world, layout, group)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         return _seq_to_heads(grad.contiguous(), *ctx.args), None, None, None
 
 
@@ -102,7 +102,7 @@ def ulysses_attention(
     mask: Mask | None = None,
     scale: float | None = None,
     layout: str = "contiguous",
-    group: object = None,
+    group: _comm.Group = None,
     return_lse: bool = False,
     backend: object = "auto",
 ):
