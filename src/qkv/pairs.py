@@ -6,19 +6,18 @@ Nq × Nk problem, validated once by `qkv.plan.make_plan` and carried by the plan
 `plan.pairs`. Every consumer reads it: `qkv.layout.layout_for(pairs, ...)` builds the kept
 tiles from it, the reference backend takes its dense mask (`dense`) and the sdpa backend its
 `attn_mask`, received attention asks it about a band of query rows (`band`), and the custom ops
-carry it as named arguments (`OpPairs`, read back by `from_op`). The rule itself is written once, in
-`qkv.layout.allowed`.
+carry it in the plan's `qkv.plan.OpPlan`, read back by its `pairs`. The rule itself is written
+once, in `qkv.layout.allowed`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from . import limits
-from .cache import lookup
 from .layout import BlockLayout, allowed, causal_hidden, dense_allowed
 from .masks import ChosenBlocks, Mask
 
@@ -32,17 +31,6 @@ class Band(NamedTuple):
     start: int  # keys c0:start are visible to every row of the band (c0 ≤ start ≤ c1)
     hidden: torch.Tensor | None  # True = may not attend
     empty_rows: bool  # a row may attend nowhere (a bool mask, a rule, a bias's −inf, Nq > Nk)
-
-
-class OpPairs(NamedTuple):
-    """`Pairs` as a custom op's arguments: tensors and numbers (a Mask and a held layout by
-    their `qkv.cache.handle`), in this order, by these names."""
-
-    mask: torch.Tensor | None
-    bias: torch.Tensor | None
-    causal: bool
-    rule: int
-    held: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,9 +180,3 @@ class Pairs:
             for b in range(batch)
             for g in range(kv_heads)
         ]
-
-    @classmethod
-    def from_op(cls, q_len: int, kv_len: int, args: OpPairs | tuple[Any, ...]) -> Pairs:
-        """The description an op's `OpPairs` arguments carry, for an Nq × Nk problem."""
-        a = OpPairs(*args)
-        return cls(q_len, kv_len, a.causal, lookup(a.rule), a.mask, a.bias, lookup(a.held))

@@ -2,7 +2,8 @@
 
 Everything a kernel needs to know about the problem lives in the plan; kernels trust it and do
 not re-validate user input. Tensors themselves (q, k, v) travel beside the plan so that autograd
-sees them as ordinary arguments.
+sees them as ordinary arguments. Past a custom op's boundary the plan travels as an `OpPlan`
+(`AttentionPlan.op_plan`), its fields as the op's arguments, and is read back there.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from .cache import handle, lookup
 from .layout import BlockLayout
 from .masks import Mask
 from .pairs import Pairs
@@ -55,6 +58,76 @@ class AttentionPlan:
     def compute_dtype(self) -> torch.dtype:
         """fp64 stays fp64; everything else accumulates in fp32."""
         return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    def op_plan(self) -> OpPlan:
+        """The plan as a custom op's arguments (`OpPlan`), made once per call by the backend."""
+        seed = self.dropout_seed if self.dropout_p > 0 else None
+        if seed is not None and not isinstance(seed, torch.Tensor):
+            seed = torch.tensor(seed, dtype=torch.int64, device=self.device)
+        p = self.pairs
+        return OpPlan(
+            p.mask, p.bias, seed, self.scale, p.causal, self.dropout_p, self.finite_inputs,
+            self.wants_grad, handle(p.rule), handle(p.layout),
+        )  # fmt: skip
+
+
+class OpPlan(NamedTuple):
+    """An `AttentionPlan` without a score modifier as a custom op's arguments: the one problem
+    description both kernels' ops (`kernels/tiled/op.py`, `kernels/cpu/op.py`) take right after
+    `(q, k, v)`, as `*op_plan`, and read back inside with `plan` or `pairs`. A custom op takes
+    only tensors, numbers, bools, strings and lists of these (torch 2.4's `torch.library` has
+    no opaque objects), so the plan crosses as these fields, in this order: the pairs' tensors
+    and the dropout seed as tensors (a seed read inside the op: no host read in a graph), the
+    structured Mask and a held BlockLayout as `qkv.cache.handle` numbers, so that a compiled
+    graph specialises on them (a new Mask object means a new graph, as a new `BlockMask` does
+    for FlexAttention). The shapes come from q, k and v."""
+
+    mask: torch.Tensor | None  # the pairs' bool mask
+    bias: torch.Tensor | None  # the pairs' float bias
+    seed: torch.Tensor | None  # dropout's seed, int64 0-dim; None without dropout
+    scale: float
+    causal: bool
+    dropout_p: float
+    finite: bool  # the plan's finite_inputs
+    want_grad: bool  # the plan's wants_grad
+    rule: int  # the pairs' Mask, by its handle
+    held: int  # the pairs' held BlockLayout, by its handle
+
+    def pairs(self, q_len: int, kv_len: int) -> Pairs:
+        """The pairs of an Nq × Nk problem this plan carries."""
+        return Pairs(
+            q_len, kv_len, self.causal, lookup(self.rule), self.mask, self.bias, lookup(self.held)
+        )
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionPlan:
+        """The plan of an op's 4-D q, k, v (validated once, by `make_plan`, before the op)."""
+        B, H, Nq, D = q.shape
+        return AttentionPlan(
+            batch=B,
+            heads=H,
+            kv_heads=k.shape[1],
+            q_len=Nq,
+            kv_len=k.shape[2],
+            head_dim=D,
+            v_dim=v.shape[-1],
+            scale=self.scale,
+            pairs=self.pairs(Nq, k.shape[2]),
+            score_mod=None,
+            dropout_p=self.dropout_p,
+            dropout_seed=self.seed,
+            finite_inputs=self.finite,
+            return_lse=True,
+            return_weights=False,
+            wants_grad=self.want_grad,
+            input_rank=4,
+            dtype=q.dtype,
+            device=q.device,
+        )
+
+    def alive(self) -> tuple[object, object]:
+        """The objects its handles name: an autograd context holds them until the backward
+        (a compiled graph holds its own)."""
+        return lookup(self.rule), lookup(self.held)
 
 
 def _describe(x: object) -> str:

@@ -176,7 +176,6 @@ class CpuBackend(Backend):
     def forward(
         self, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> Result:
-        from ...cache import handle
         from . import op as cpu_op
         from .tile_encoding import BLOCK_K
 
@@ -194,19 +193,15 @@ class CpuBackend(Backend):
         held = plan.pairs.layout
         if self.block_q is None and held is not None and held.block_k == BLOCK_K:
             bq = bq_bwd = held.block_q  # the caller's layout is read as it is, not rebuilt
-        seed = plan.dropout_seed if plan.dropout_p > 0 else None
-        if seed is not None and not isinstance(seed, torch.Tensor):
-            seed = torch.tensor(seed, dtype=torch.int64)
+        f32_slopes = None if slopes is None else slopes.to(torch.float32)
+        settings = cpu_op.CpuSettings(
+            slopes=f32_slopes, softcap=softcap, alibi_after=alibi_after, block_q=bq,
+            precise_scores=cpu_op.precise_scores(), isa=isa,
+        )  # fmt: skip
+        args = (q, k, v, *plan.op_plan(), *settings)
         # Without a gradient, the op alone (Function.apply binds its arguments on every call),
         # and outside torch.compile its function itself (the dispatcher costs ~40 µs a call,
         # a tenth of a decoding step at Nk = 1024).
-        numbers = cpu_op.CpuArgs(
-            scale=plan.scale, causal=plan.pairs.causal, dropout_p=plan.dropout_p,
-            softcap=softcap, alibi_after=alibi_after, rule=handle(plan.pairs.rule),
-            held=handle(held), block_q=bq, precise_scores=cpu_op.precise_scores(), isa=isa,
-        )  # fmt: skip
-        f32_slopes = None if slopes is None else slopes.to(torch.float32)
-        args = (q, k, v, plan.pairs.mask, seed, f32_slopes, *numbers)
         if plan.wants_grad:
             out, lse, _, _ = cpu_op.CpuAttention.apply(*args, bq_bwd)
         elif torch.compiler.is_compiling():

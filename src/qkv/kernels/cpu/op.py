@@ -6,10 +6,11 @@ The C++ ops (`torch.ops.qkv_cpu.forward` / `backward`, registered by `cpu/csrc/o
 the kernel's block layout as tensors. Building that layout is Python (`qkv.layout` and qkv's
 cache), so it happens inside these ops, never in a traced graph: `torch.compile` sees each op
 as one opaque node with known output shapes and traces a model through the kernel without a
-graph break. Everything an op needs travels as tensors and numbers; the structured `Mask` and a
-held `BlockLayout` as the tiled ops' integer handles (`qkv.cache.handle`), so a compiled graph
-specialises on them. The dropout seed is a tensor read inside the op (no host read in the
-graph).
+graph break. Every op takes `(q, k, v, *op_plan, ...)`, as the tiled ops do: the problem as the
+plan's `qkv.plan.OpPlan` (tensors, numbers and `qkv.cache.handle`s, so a compiled graph
+specialises on a Mask; the dropout seed a tensor read inside the op, no host read in the
+graph), read back inside by `OpPlan.pairs`, then what is its own: the backward's saved results,
+and the kernel's settings (`CpuSettings`).
 """
 
 from __future__ import annotations
@@ -19,31 +20,26 @@ from typing import NamedTuple
 
 import torch
 
-from ...cache import lookup
 from ...numerics import once_differentiable
-from ...pairs import OpPairs, Pairs
+from ...pairs import Pairs
+from ...plan import OpPlan
 from . import load
 from .tile_encoding import CpuLayout, chosen_forward, chosen_layouts, joined, kernel_layout
 
 
-class CpuArgs(NamedTuple):
-    """The ops' arguments after the tensors `(q, k, v, mask, seed, slopes)`, in the ops' order:
-    build them by name, read them by name."""
+class CpuSettings(NamedTuple):
+    """The kernel's own arguments, after the `OpPlan`'s, in the ops' order: build them by name,
+    read them by name."""
 
-    scale: float
-    causal: bool
-    dropout_p: float
-    softcap: float
-    alibi_after: bool
-    rule: int  # the Mask's `qkv.cache.handle`
-    held: int  # a held BlockLayout's handle
-    block_q: int
-    precise_scores: bool
-    isa: str
+    slopes: torch.Tensor | None  # ALiBi's, float32, one per query head
+    softcap: float  # 0: none
+    alibi_after: bool  # ALiBi added after the softcap
+    block_q: int  # query rows per tile
+    precise_scores: bool  # see `precise_scores`
+    isa: str  # the instruction-set path
 
 
-def _pairs(q, k, mask, causal: bool, rule: int, held: int) -> Pairs:
-    return Pairs.from_op(q.shape[2], k.shape[2], OpPairs(mask, None, causal, rule, held))
+_FIELDS = len(OpPlan._fields)  # the op plan's arguments, after (q, k, v)
 
 
 def forward_layout(pairs: Pairs, batch: int, kv_heads: int, block_q: int) -> CpuLayout:
@@ -117,15 +113,18 @@ def forward_impl(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
     seed: torch.Tensor | None,
-    slopes: torch.Tensor | None,
     scale: float,
     causal: bool,
     dropout_p: float,
-    softcap: float,
-    alibi_after: bool,
+    finite: bool,
+    want_grad: bool,
     rule: int,
     held: int,
+    slopes: torch.Tensor | None,
+    softcap: float,
+    alibi_after: bool,
     block_q: int,
     precise_scores: bool,
     isa: str,
@@ -133,7 +132,8 @@ def forward_impl(
     """`(out, lse, m, l)`: each row's max m (float32) and denominator l (float64) are what the
     backward needs. `precise_scores`: float32 scores in float chains summed in double (else one
     float sum)."""
-    pairs = _pairs(q, k, mask, causal, rule, held)
+    op = OpPlan(mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held)
+    pairs = op.pairs(q.shape[2], k.shape[2])
     settings = (softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa)
 
     def run(L, q, k, v, slopes):
@@ -163,30 +163,34 @@ def _(q, k, v, *args):
 
 
 def backward_impl(
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
-    m: torch.Tensor,
-    l: torch.Tensor,
     mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
     seed: torch.Tensor | None,
-    slopes: torch.Tensor | None,
     scale: float,
     causal: bool,
     dropout_p: float,
-    softcap: float,
-    alibi_after: bool,
+    finite: bool,
+    want_grad: bool,
     rule: int,
     held: int,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    out: torch.Tensor,
+    m: torch.Tensor,
+    l: torch.Tensor,
+    slopes: torch.Tensor | None,
+    softcap: float,
+    alibi_after: bool,
     block_q: int,
     precise_scores: bool,
     isa: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(dq, dk, dv)` of `cpu_forward`'s out and lse."""
-    pairs = _pairs(q, k, mask, causal, rule, held)
+    """`(dq, dk, dv)` of `cpu_forward`'s out and lse, for the forward's `OpPlan`."""
+    op = OpPlan(mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held)
+    pairs = op.pairs(q.shape[2], k.shape[2])
     settings = (softcap, alibi_after, dropout_p, _seed(seed), precise_scores, isa)
 
     def run(L, dout, dlse, q, k, v, out, m, l, slopes):
@@ -215,12 +219,12 @@ cpu_backward = torch.library.custom_op("qkv::cpu_backward", backward_impl, mutat
 
 
 @cpu_backward.register_fake
-def _(dout, dlse, q, k, v, *args):
+def _(q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class CpuAttention(torch.autograd.Function):
-    """Autograd around the two ops: `apply(q, k, v, mask, seed, slopes, *CpuArgs(...),
+    """Autograd around the two ops: `apply(q, k, v, *op_plan, *CpuSettings(...),
     backward_block_q)` → `(out, lse, m, l)`. The backward tiles the queries by
     `backward_block_q` rows: a score has the same bits whatever its tile, so the backward
     recomputes the forward's weights exactly."""
@@ -231,22 +235,25 @@ class CpuAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
-        q, k, v, mask, seed, slopes, *numbers, backward_block_q = inputs
+        q, k, v, *rest, backward_block_q = inputs
+        op, settings = OpPlan(*rest[:_FIELDS]), CpuSettings(*rest[_FIELDS:])
         out, _, m, l = output
-        ctx.save_for_backward(q, k, v, out, m, l, mask, seed, slopes)
-        args = CpuArgs(*numbers)._replace(block_q=backward_block_q)
-        ctx.args = tuple(args)
+        ctx.save_for_backward(q, k, v, out, m, l, op.mask, op.bias, op.seed, settings.slopes)
+        ctx.op = op._replace(mask=None, bias=None, seed=None)  # its tensors are saved above
+        ctx.settings = settings._replace(slopes=None, block_q=backward_block_q)
         ctx.not_differentiable = len(inputs) - 3  # all but q, k, v
         if not torch.compiler.is_compiling():  # eager: the Mask lives until the backward
-            ctx.alive = (lookup(args.rule), lookup(args.held))
+            ctx.alive = op.alive()
         ctx.mark_non_differentiable(m, l)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, dout, dlse, _dm, _dl):  # type: ignore[override]
-        q, k, v, out, m, l, mask, seed, slopes = ctx.saved_tensors
+        q, k, v, out, m, l, mask, bias, seed, slopes = ctx.saved_tensors
+        op = ctx.op._replace(mask=mask, bias=bias, seed=seed)
+        settings = ctx.settings._replace(slopes=slopes)
         with torch.no_grad():
             if dout is None:
                 dout = torch.zeros_like(out)
-            grads = cpu_backward(dout, dlse, q, k, v, out, m, l, mask, seed, slopes, *ctx.args)
+            grads = cpu_backward(q, k, v, *op, dout, dlse, out, m, l, *settings)
         return *once_differentiable("cpu", grads, (q, k, v)), *([None] * ctx.not_differentiable)

@@ -4,11 +4,10 @@ them together for autograd and torch.func.grad.
 
 `torch.compile` sees each op as one opaque node with known output shapes, so it traces a model
 through qkv attention without a graph break, and never looks at the Python loop inside (whose
-tile schedule is plain Python ints). Everything an op needs travels as tensors and numbers:
-the backend's tiling and fused-strips settings as lists of numbers, the structured `Mask` and
-a held `BlockLayout` as small integer handles (`qkv.cache.handle`), so a compiled graph
-specialises on them (a new Mask object means a new graph, as a new `BlockMask` does for
-FlexAttention).
+tile schedule is plain Python ints). Every op takes `(q, k, v, *op_plan, ...)`: the problem as
+the plan's `qkv.plan.OpPlan` (tensors, numbers and `qkv.cache.handle`s, so a compiled graph
+specialises on a Mask), read back inside by `OpPlan.plan`, then what is its own: the backward's
+saved rows, and the backend's tiling and fused-strips settings as lists of numbers.
 
 Blocks chosen per batch element and kv head (`qkv.masks.ChosenBlocks`, from
 `qkv.sparse.select_blocks`) run inside the ops one (batch element, kv head) at a time
@@ -22,10 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import handle, lookup
 from ...numerics import once_differentiable
-from ...pairs import OpPairs, Pairs
-from ...plan import AttentionPlan
+from ...plan import AttentionPlan, OpPlan
 from . import fused as fused_mod
 from .fused import FusedStrips
 from .steps import (
@@ -38,31 +35,7 @@ from .steps import (
     kv_parts,
 )
 
-
-def _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held):
-    """The plan of an op call, rebuilt from its arguments (validated once by `make_plan`)."""
-    B, H, Nq, D = q.shape
-    return AttentionPlan(
-        batch=B,
-        heads=H,
-        kv_heads=k.shape[1],
-        q_len=Nq,
-        kv_len=k.shape[2],
-        head_dim=D,
-        v_dim=v.shape[-1],
-        scale=scale,
-        pairs=Pairs.from_op(Nq, k.shape[2], OpPairs(mask, bias, causal, rule, held)),
-        score_mod=None,
-        dropout_p=dropout_p,
-        dropout_seed=seed,
-        finite_inputs=finite,
-        return_lse=True,
-        return_weights=False,
-        wants_grad=want_grad,
-        input_rank=4,
-        dtype=q.dtype,
-        device=q.device,
-    )
+_FIELDS = len(OpPlan._fields)  # the op plan's arguments, after (q, k, v)
 
 
 def _settings(tiling: list[int], fused: list[float]) -> tuple[Tiling, FusedStrips | None]:
@@ -110,7 +83,8 @@ def forward_impl(
     chosen per kv head run one (batch element, kv head) at a time, each over its own kept
     tiles (`steps.kv_parts`), into the whole results."""
     tiles, cfg = _settings(tiling, fused)
-    plan = _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held)
+    op = OpPlan(mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held)
+    plan = op.plan(q, k, v)
     parts = kv_parts(plan)
     if parts is None:
         out, lse, hi, l = _forward(plan, tiles, cfg, q, k, v, None)
@@ -142,7 +116,7 @@ tiled_forward = torch.library.custom_op("qkv::tiled_forward", forward_impl, muta
 
 
 @tiled_forward.register_fake
-def _(q, k, v, mask, bias, seed, *args):
+def _(q, k, v, *args):
     B, H, Nq, _ = q.shape
     rows = (B, H, Nq)
     cdt = _stat_dtype(q)
@@ -161,21 +135,23 @@ def backward_impl(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     seed: torch.Tensor | None,
-    row_max: torch.Tensor,
-    row_sum: torch.Tensor,
-    dout: torch.Tensor,
-    dlse: torch.Tensor,
     scale: float,
     causal: bool,
     dropout_p: float,
     finite: bool,
+    want_grad: bool,
     rule: int,
     held: int,
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor,
     tiling: list[int],
     fused: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(dq, dk, dv)` of `tiled_forward`'s out and lse."""
-    plan = _plan(q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, True, rule, held)
+    """`(dq, dk, dv)` of `tiled_forward`'s out and lse, for the forward's `OpPlan`."""
+    op = OpPlan(mask, bias, seed, scale, causal, dropout_p, finite, want_grad, rule, held)
+    plan = op.plan(q, k, v)
     stats = RowStats(row_max, None, row_sum)
     tiles = _settings(tiling, fused)[0]
     dq, dk, dv, _ = backward_parts(plan, tiles, q, k, v, stats, dout, dlse, backward_loop)
@@ -186,41 +162,44 @@ tiled_backward = torch.library.custom_op("qkv::tiled_backward", backward_impl, m
 
 
 @tiled_backward.register_fake
-def _(q, k, v, mask, bias, seed, row_max, row_sum, dout, dlse, *args):
+def _(q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class TiledAttention(torch.autograd.Function):
-    """Autograd (and torch.func) around the two ops: `apply(q, k, v, mask, bias, seed, scale,
-    causal, dropout_p, finite, want_grad, rule, held, tiling, fused)` → `(out, lse)`."""
+    """Autograd (and torch.func) around the two ops: `apply(q, k, v, *op_plan, tiling, fused)`
+    → `(out, lse, row max, row sum)`."""
 
     generate_vmap_rule = True  # the ops' own vmap rules fold the mapped dim into the batch
 
     @staticmethod
-    def forward(q, k, v, mask, bias, seed, *args):  # type: ignore[override]
-        return tiled_forward(q, k, v, mask, bias, seed, *args)
+    def forward(q, k, v, *args):  # type: ignore[override]
+        return tiled_forward(q, k, v, *args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
-        q, k, v, mask, bias, seed, scale, causal, dropout_p, finite, _, rule, held, *cfg = inputs
+        q, k, v, *rest = inputs
+        op = OpPlan(*rest[:_FIELDS])
         _, _, row_max, row_sum = output
-        ctx.save_for_backward(q, k, v, mask, bias, seed, row_max, row_sum)
-        ctx.args = (scale, causal, dropout_p, finite, rule, held, *cfg)
+        ctx.save_for_backward(q, k, v, op.mask, op.bias, op.seed, row_max, row_sum)
+        ctx.op = op._replace(mask=None, bias=None, seed=None)  # its tensors are saved above
+        ctx.cfg = rest[_FIELDS:]
         ctx.not_differentiable = len(inputs) - 3  # all but q, k, v
         if not torch.compiler.is_compiling():  # eager: the Mask lives until the backward
-            ctx.alive = (lookup(rule), lookup(held))
+            ctx.alive = op.alive()
         ctx.mark_non_differentiable(row_max, row_sum)
 
     @staticmethod
     def backward(ctx, dout, dlse, _drow_max, _drow_sum):  # type: ignore[override]
         q, k, v, mask, bias, seed, row_max, row_sum = ctx.saved_tensors
+        op = ctx.op._replace(mask=mask, bias=bias, seed=seed)
         with torch.no_grad():
             if dout is None:
                 dout = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
             if dlse is None:
                 dlse = torch.zeros_like(row_max)
             stats = (row_max, row_sum)
-            grads = tiled_backward(q, k, v, mask, bias, seed, *stats, dout, dlse, *ctx.args)
+            grads = tiled_backward(q, k, v, *op, *stats, dout, dlse, *ctx.cfg)
         return *once_differentiable("tiled", grads, (q, k, v)), *([None] * ctx.not_differentiable)
 
 
@@ -242,29 +221,35 @@ def _batch_of(x: torch.Tensor, dim: int | None) -> int:
     return x.shape[0] if dim is None else x.movedim(dim, 0).shape[1]
 
 
-@tiled_forward.register_vmap
-def _(info, in_dims, q, k, v, mask, bias, seed, *rest):
-    if in_dims[5] is not None:
+def _fold_problem(info, in_dims, q, k, v, op: OpPlan) -> tuple[int, int, list, OpPlan]:
+    """`(size, batch, [q, k, v] folded, op_plan with its mask and bias folded)`."""
+    dims = OpPlan(*in_dims[3 : 3 + _FIELDS])  # where each field's mapped dim is
+    if dims.seed is not None:
         raise NotImplementedError("qkv: vmap over a batch of dropout seeds is not supported")
     size, batch = info.batch_size, _batch_of(q, in_dims[0])
-    tensors = (q, k, v, mask, bias)
-    folded = [_fold(x, d, size, batch) for x, d in zip(tensors, in_dims[:5], strict=True)]
-    outs = tiled_forward(*folded, seed, *rest)
+    qkv = [_fold(x, d, size, batch) for x, d in zip((q, k, v), in_dims[:3], strict=True)]
+    mask, bias = (_fold(x, d, size, batch) for x, d in ((op.mask, dims.mask), (op.bias, dims.bias)))
+    return size, batch, qkv, op._replace(mask=mask, bias=bias)
+
+
+@tiled_forward.register_vmap
+def _(info, in_dims, q, k, v, *rest):
+    op = OpPlan(*rest[:_FIELDS])
+    size, _, qkv, op = _fold_problem(info, in_dims, q, k, v, op)
+    outs = tiled_forward(*qkv, *op, *rest[_FIELDS:])
     return tuple(_unfold(o, size) for o in outs), (0, 0, 0, 0)
 
 
 @tiled_backward.register_vmap
-def _(info, in_dims, q, k, v, mask, bias, seed, row_max, row_sum, dout, dlse, *rest):
-    if in_dims[5] is not None:
-        raise NotImplementedError("qkv: vmap over a batch of dropout seeds is not supported")
-    size, batch = info.batch_size, _batch_of(q, in_dims[0])
-    tensors = (q, k, v, mask, bias)
-    folded = [_fold(x, d, size, batch) for x, d in zip(tensors, in_dims[:5], strict=True)]
+def _(info, in_dims, q, k, v, *rest):
+    op = OpPlan(*rest[:_FIELDS])
+    size, batch, qkv, op = _fold_problem(info, in_dims, q, k, v, op)
+    stats_at = 3 + _FIELDS  # row_max, row_sum, dout, dlse
     stats = [
         _fold(x, d, size, batch)
-        for x, d in zip((row_max, row_sum, dout, dlse), in_dims[6:10], strict=True)
+        for x, d in zip(rest[_FIELDS : _FIELDS + 4], in_dims[stats_at : stats_at + 4], strict=True)
     ]
-    outs = tiled_backward(*folded, seed, *stats, *rest)
+    outs = tiled_backward(*qkv, *op, *stats, *rest[_FIELDS + 4 :])
     return tuple(_unfold(o, size) for o in outs), (0, 0, 0)
 
 
@@ -272,25 +257,13 @@ def attention(
     plan: AttentionPlan, tiling: Tiling, cfg: FusedStrips | None, q, k, v
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)` of a plan without a score modifier, through the custom op."""
-    seed = plan.dropout_seed
-    if seed is not None and not isinstance(seed, torch.Tensor):
-        seed = torch.tensor(seed, dtype=torch.int64, device=q.device)
     # Without a gradient, the op alone (Function.apply binds its arguments on every call).
     call = TiledAttention.apply if plan.wants_grad else tiled_forward
     out, lse, _, _ = call(
         q,
         k,
         v,
-        plan.pairs.mask,
-        plan.pairs.bias,
-        seed,
-        plan.scale,
-        plan.pairs.causal,
-        plan.dropout_p,
-        plan.finite_inputs,
-        plan.wants_grad,
-        handle(plan.pairs.rule),
-        handle(plan.pairs.layout),
+        *plan.op_plan(),
         [tiling.block_q, tiling.block_k, tiling.max_rows, tiling.max_cols],
         [] if cfg is None else [cfg.rows, cfg.waste, cfg.wide, cfg.budget, cfg.mask_cache],
     )
