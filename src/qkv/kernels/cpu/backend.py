@@ -47,13 +47,11 @@ from .isa import choose as choose_isa
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# Query rows per tile, measured by pairs of calls:
-# on the Zen 3 AMD EPYC, 2 cores, N = 4096, D = 64, 256 rows against 128 took 0.92–0.97 of the
-# time in the dense and causal forward and 0.94 in the dense forward + backward, but 1.07 in the
-# causal backward; a mask's 64 rows against 128 took 0.93 in the sliding window's fwd + bwd.
-# On a Zen 4 AMD EPYC, GQA 14:2, N = 8192, causal: the backward's tiles of 128 rows against the
-# 16 the forward's rule gave ran forward + backward at 1.89× SDPA against 1.32× (bfloat16), 1.15×
-# against 1.08× (float32).
+# Query rows per tile, measured by pairs of calls (docs/cpu.md, Measurements behind the code):
+# 256 rows against 128 were faster in the dense and causal forward and in the dense forward +
+# backward, slower in the causal backward; a mask's 64 rows against 128 were faster in the
+# sliding window's forward + backward. Under GQA the backward's tiles of 128 rows ran forward +
+# backward well ahead of the 16 the forward's rule gives them.
 def default_block_q(groups: int, masked: bool, causal: bool = False, backward: bool = False) -> int:
     """Query rows per tile: 64 with a mask (finer skipping); without one 256 (dense and causal:
     each packed key tile serves more rows), except the causal backward's 128 (it computes its
@@ -200,8 +198,8 @@ class CpuBackend(Backend):
         )  # fmt: skip
         args = (q, k, v, *plan.op_plan(), *settings)
         # Without a gradient, the op alone (Function.apply binds its arguments on every call),
-        # and outside torch.compile its function itself (the dispatcher costs ~40 µs a call,
-        # a tenth of a decoding step at Nk = 1024).
+        # and outside torch.compile its function itself (the dispatcher's cost per call is a
+        # visible share of a decoding step: docs/cpu.md, Measurements behind the code).
         if plan.wants_grad:
             out, lse, _, _ = cpu_op.CpuAttention.apply(*args, bq_bwd)
         elif torch.compiler.is_compiling():
