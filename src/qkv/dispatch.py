@@ -14,7 +14,7 @@ of backends in `CROSSOVERS`; no backend asks another one.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -38,7 +38,7 @@ class Decision:
     """The outcome of dispatch: the chosen backend and a reason for each one passed over."""
 
     backend: Backend  # the backend that will run
-    reasons: dict[str, str]  # name of each backend not chosen -> why (printable)
+    reasons: Mapping[str, str]  # name of each backend not chosen -> why (printable)
     # which measured crossovers decided, where a size did (asked only when shown: `basis`)
     basis_of: Callable[[], str | None] | None = field(default=None, repr=False, compare=False)
 
@@ -101,7 +101,7 @@ def choose(
             _REMEMBERED.clear()
         basis = decision.basis
         reasons = MappingProxyType(dict(decision.reasons))  # read-only: callers share it
-        _REMEMBERED[key] = Decision(decision.backend, reasons, lambda: basis)  # type: ignore[arg-type]
+        _REMEMBERED[key] = Decision(decision.backend, reasons, lambda: basis)
     return decision
 
 

@@ -114,6 +114,7 @@ class Pairs:
         if not self.causal and self.rule is None:
             return self.mask if self.mask is not None else self.bias
         ok = self.dense(device)
+        assert ok is not None  # causal or a rule restricts
         return ok if self.bias is None else self.bias.masked_fill(~ok, -torch.inf)
 
     def band(
@@ -173,6 +174,7 @@ class Pairs:
         if self.kv_choice(batch, kv_heads) is None:
             return None
         rule = self.rule
+        assert isinstance(rule, ChosenBlocks)  # kv_choice found one
         nb, ng = rule.index.shape[:2]
         per = kv_heads // ng
         return [

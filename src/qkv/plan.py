@@ -301,9 +301,10 @@ def _check_score_mod(score_mod: object, H: int) -> None:
         )
 
 
-def _check_bool(name: str, flag: object) -> None:
+def _check_bool(name: str, flag: object) -> bool:
     if not isinstance(flag, bool):
         raise TypeError(f"{name} must be a bool, got {_describe(flag)}")
+    return flag
 
 
 def make_plan(
@@ -332,8 +333,8 @@ def make_plan(
     p = _check_number("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p={dropout_p!r} is out of range [0, 1)")
-    _check_bool("return_lse", return_lse)
-    _check_bool("return_weights", return_weights)
+    return_lse = _check_bool("return_lse", return_lse)
+    return_weights = _check_bool("return_weights", return_weights)
     held, mask = _check_held(mask, Nq, Nk, causal)
     bool_mask, bias, rule = _check_mask(mask, (B, H, Nq, Nk), q.device)
     _check_score_mod(score_mod, H)

@@ -243,7 +243,7 @@ def _routes(config_class: type) -> bool | None:
 
 
 # What `torch.compiler.assume_constant_result` does, without importing torch._dynamo here.
-_routes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_routes._dynamo_marked_constant = True  # type: ignore[attr-defined]  # dynamo's marker on a function
 
 
 # generate()'s hook that pre-builds masks (the generic one in masking_utils, and the methods of

@@ -248,11 +248,12 @@ def _interval(fn: Callable, mu: ModuleType) -> tuple[int | None, int | None] | N
         return plain
     name, cells = getattr(fn, "__qualname__", ""), _closure(fn)
     if name == "and_masks.<locals>.and_mask":
-        parts = [_interval(f, mu) for f in _closure_fns(cells)]
-        if not parts or any(p is None for p in parts):
+        found = [_interval(f, mu) for f in _closure_fns(cells)]
+        parts = [p for p in found if p is not None]
+        if not parts or len(parts) < len(found):
             return None
-        los = [p[0] for p in parts if p[0] is not None]  # type: ignore[index]
-        his = [p[1] for p in parts if p[1] is not None]  # type: ignore[index]
+        los = [p[0] for p in parts if p[0] is not None]
+        his = [p[1] for p in parts if p[1] is not None]
         return (max(los) if los else None, min(his) if his else None)
     window = cells.get("sliding_window")
     if isinstance(window, bool) or not isinstance(window, int):
@@ -318,7 +319,10 @@ def _within(cu: torch.Tensor, structure: Mask | None, kind: str, causal: bool) -
     """The interval's mask restricted to each packed sequence (`masks.varlen`, whose segments
     let the kernels cut their tiles at the sequence boundaries)."""
     packed = masks.varlen(cu, cu, causal=causal)
-    return packed if kind != "window" else packed & structure  # type: ignore[operator]
+    if kind != "window":
+        return packed
+    assert structure is not None  # a window's interval is its structure
+    return packed & structure
 
 
 def _structure(
@@ -372,7 +376,7 @@ def _shelve(kind: str, left: int = 0, right: int = 0) -> str:
     return name
 
 
-_shelve._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_shelve._dynamo_marked_constant = True  # type: ignore[attr-defined]  # dynamo's marker on a function
 
 
 def shelved(kind: str, left: int = 0, right: int = 0) -> Mask:

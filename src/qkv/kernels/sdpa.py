@@ -66,6 +66,7 @@ def _tiles_skipped_elsewhere(plan: AttentionPlan) -> bool:
         TritonBackend,  # imported here: triton's module never imports this one
     )
 
+    # why_not reads the plan (metadata) only; the tensors are not at hand here
     return TritonBackend().why_not(plan, None, None, None) is None  # type: ignore[arg-type]
 
 

@@ -112,7 +112,7 @@ _RUNS: dict[str, tuple[str | None, str | None]] = {}  # QKV_CPU_ISA's value -> (
 
 # What `torch.compiler.assume_constant_result(kernel_status)` does, without importing
 # torch._dynamo at `import qkv` (as `qkv.cache.handle` does).
-kernel_status._dynamo_marked_constant = True  # type: ignore[attr-defined]
+kernel_status._dynamo_marked_constant = True  # type: ignore[attr-defined]  # dynamo's marker
 
 
 class CpuBackend(Backend):
@@ -182,6 +182,7 @@ class CpuBackend(Backend):
             mods, why = _mods(plan)
         if why is not None:
             raise NotImplementedError(f"backend='cpu' cannot run this request: {why}")
+        assert isa is not None and mods is not None  # no reason: both were found
         slopes, softcap, alibi_after = mods
         masked = plan.pairs.mask is not None or plan.pairs.rule is not None
         bq = self.block_q or default_block_q(plan.groups, masked, plan.pairs.causal)

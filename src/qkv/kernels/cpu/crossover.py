@@ -370,5 +370,5 @@ def basis(isa: str) -> str:
 # `torch.compiler.assume_constant_result` does, without importing torch._dynamo here): the
 # tables are read from files once per process, never in a compiled graph. Their arguments are
 # names, never sizes: a symbolic size cannot be made a constant (`_traced` compares it).
-_bands_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
-basis._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_bands_of._dynamo_marked_constant = True  # type: ignore[attr-defined]  # dynamo's marker
+basis._dynamo_marked_constant = True  # type: ignore[attr-defined]  # dynamo's marker

@@ -52,17 +52,23 @@ def forward_layout(pairs: Pairs, batch: int, kv_heads: int, block_q: int) -> Cpu
     built = chosen_forward(pairs, choice, block_q)
     if built is not None:
         return built
-    return joined([kernel_layout(one, block_q) for *_, one in pairs.kv_groups(batch, kv_heads)])
+    groups = pairs.kv_groups(batch, kv_heads)
+    assert groups is not None  # there is a choice per group
+    return joined([kernel_layout(one, block_q) for *_, one in groups])
 
 
 def group_layouts(pairs: Pairs, batch: int, kv_heads: int, block_q: int) -> list[CpuLayout]:
     """The backward's tile lists of each (b, kv head) of blocks chosen per group
     (`Pairs.kv_groups` order): all at once from the block lists where they are whole tiles,
     else each group's own `kernel_layout`."""
-    built = chosen_layouts(pairs, pairs.kv_choice(batch, kv_heads), block_q)
+    choice = pairs.kv_choice(batch, kv_heads)
+    assert choice is not None  # called for a choice per group only
+    built = chosen_layouts(pairs, choice, block_q)
     if built is not None:
         return built
-    return [kernel_layout(one, block_q) for *_, one in pairs.kv_groups(batch, kv_heads)]
+    groups = pairs.kv_groups(batch, kv_heads)
+    assert groups is not None  # there is a choice per group
+    return [kernel_layout(one, block_q) for *_, one in groups]
 
 
 def _group(q, k, v, slopes, b: int, g: int):
@@ -209,7 +215,7 @@ def backward_impl(
     for (b, g, _), L in zip(groups, layouts, strict=True):
         heads, qg, kg, vg, sg = _group(q, k, v, slopes, b, g)
         rows = [None if t is None else t[b : b + 1, heads] for t in (dout, dlse, out, m, l)]
-        gq, gk, gv = run(L, rows[0], rows[1], qg, kg, vg, *rows[2:], sg)
+        gq, gk, gv = run(L, rows[0], rows[1], qg, kg, vg, rows[2], rows[3], rows[4], sg)
         dq[b, heads], dk[b, g], dv[b, g] = gq[0], gk[0, 0], gv[0, 0]
         del gq, gk, gv  # back to the kernel's kept results before the next group's call
     return dq, dk, dv
@@ -230,11 +236,11 @@ class CpuAttention(torch.autograd.Function):
     recomputes the forward's weights exactly."""
 
     @staticmethod
-    def forward(q, k, v, *args):  # type: ignore[override]
+    def forward(q, k, v, *args):
         return cpu_forward(q, k, v, *args[:-1])
 
     @staticmethod
-    def setup_context(ctx, inputs, output):  # type: ignore[override]
+    def setup_context(ctx, inputs, output):
         q, k, v, *rest, backward_block_q = inputs
         op, settings = OpPlan(*rest[:_FIELDS]), CpuSettings(*rest[_FIELDS:])
         out, _, m, l = output
@@ -248,7 +254,7 @@ class CpuAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, dout, dlse, _dm, _dl):  # type: ignore[override]
+    def backward(ctx, dout, dlse, _dm, _dl):
         q, k, v, out, m, l, mask, bias, seed, slopes = ctx.saved_tensors
         op = ctx.op._replace(mask=mask, bias=bias, seed=seed)
         settings = ctx.settings._replace(slopes=slopes)

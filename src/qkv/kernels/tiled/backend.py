@@ -60,12 +60,12 @@ class _ScoreModAttention(torch.autograd.Function):
     kv head (`steps.forward_parts`)."""
 
     @staticmethod
-    def forward(q, k, v, plan, tiling, *params):  # type: ignore[override]
+    def forward(q, k, v, plan, tiling, *params):
         out, lse, stats = forward_parts(plan, tiling, q, k, v, forward_loop)
         return out, lse, stats.hi, stats.l
 
     @staticmethod
-    def setup_context(ctx, inputs, output):  # type: ignore[override]
+    def setup_context(ctx, inputs, output):
         q, k, v, plan, tiling, *params = inputs
         _, _, hi, l = output
         ctx.save_for_backward(q, k, v, hi, l, *params)
@@ -74,17 +74,18 @@ class _ScoreModAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(hi, l)
 
     @staticmethod
-    def vmap(info, in_dims, *args):  # type: ignore[override]
+    def vmap(info, in_dims, *args):
         raise NotImplementedError(_NO_FUNC)
 
     @staticmethod
-    def backward(ctx, dout, dlse, _dhi, _dl):  # type: ignore[override]
+    def backward(ctx, dout, dlse, _dhi, _dl):
         q, k, v, hi, l, *params = ctx.saved_tensors
         stats = RowStats(hi, None, l)
         try:
             with torch.no_grad():
+                plan, tiling = ctx.job
                 dq, dk, dv, dparams = backward_parts(
-                    *ctx.job, q, k, v, stats, dout, dlse, backward_loop
+                    plan, tiling, q, k, v, stats, dout, dlse, backward_loop
                 )
         except NotImplementedError as e:  # torch.func.grad hands the backward its wrappers
             if "TensorWrapper" in str(e):

@@ -390,6 +390,7 @@ def _allowed(plan: AttentionPlan, batch: _Batch, b: int | None, block_k: int) ->
             causal=plan.pairs.causal,
             rule=rule,
         )
+        assert vals is not None  # partial tiles exist only where something restricts the pairs
         vals = vals.expand(-1, hm, R, block_k)
         inside = j.view(1, -1) < length.view(-1, 1)  # (P, bk): a tile cut short at its end
         p_idx, j_idx = inside.nonzero(as_tuple=True)

@@ -90,9 +90,12 @@ def forward_impl(
         out, lse, hi, l = _forward(plan, tiles, cfg, q, k, v, None)
         return out.contiguous(), lse, hi, l
     B, H, Nq = plan.batch, plan.heads, plan.q_len
+    stat = _stat_dtype(q)
     results = (
         q.new_empty(B, H, Nq, plan.v_dim),
-        *(q.new_empty(B, H, Nq, dtype=_stat_dtype(q)) for _ in range(3)),
+        q.new_empty(B, H, Nq, dtype=stat),
+        q.new_empty(B, H, Nq, dtype=stat),
+        q.new_empty(B, H, Nq, dtype=stat),
     )
     for p in parts:
         got = _forward(p.plan, tiles, cfg, p.rows(q), p.kv(k), p.kv(v), p.origin)
@@ -104,6 +107,7 @@ def forward_impl(
 def _forward(plan: AttentionPlan, tiles: Tiling, cfg: FusedStrips | None, q, k, v, origin):
     """`forward_impl`'s results for one problem (a whole plan or a `Part`'s)."""
     if fused_reason(cfg, plan, q, k, v) is None:  # no gradient: torch's fused op, in strips
+        assert cfg is not None  # fused_reason refuses a backend without fused strips
         sched = fused_mod.schedule(plan, tiles.block_q, tiles.block_k, cfg)
         out, lse = fused_mod.forward(plan, sched, q, k, v)
         stats = RowStats.from_lse(lse, plan.compute_dtype)
@@ -173,11 +177,11 @@ class TiledAttention(torch.autograd.Function):
     generate_vmap_rule = True  # the ops' own vmap rules fold the mapped dim into the batch
 
     @staticmethod
-    def forward(q, k, v, *args):  # type: ignore[override]
+    def forward(q, k, v, *args):
         return tiled_forward(q, k, v, *args)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):  # type: ignore[override]
+    def setup_context(ctx, inputs, output):
         q, k, v, *rest = inputs
         op = OpPlan(*rest[:_FIELDS])
         _, _, row_max, row_sum = output
@@ -190,7 +194,7 @@ class TiledAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(row_max, row_sum)
 
     @staticmethod
-    def backward(ctx, dout, dlse, _drow_max, _drow_sum):  # type: ignore[override]
+    def backward(ctx, dout, dlse, _drow_max, _drow_sum):
         q, k, v, mask, bias, seed, row_max, row_sum = ctx.saved_tensors
         op = ctx.op._replace(mask=mask, bias=bias, seed=seed)
         with torch.no_grad():
@@ -223,12 +227,15 @@ def _batch_of(x: torch.Tensor, dim: int | None) -> int:
 
 def _fold_problem(info, in_dims, q, k, v, op: OpPlan) -> tuple[int, int, list, OpPlan]:
     """`(size, batch, [q, k, v] folded, op_plan with its mask and bias folded)`."""
-    dims = OpPlan(*in_dims[3 : 3 + _FIELDS])  # where each field's mapped dim is
-    if dims.seed is not None:
+    dims = dict(zip(OpPlan._fields, in_dims[3 : 3 + _FIELDS], strict=True))  # mapped dims
+    if dims["seed"] is not None:
         raise NotImplementedError("qkv: vmap over a batch of dropout seeds is not supported")
     size, batch = info.batch_size, _batch_of(q, in_dims[0])
     qkv = [_fold(x, d, size, batch) for x, d in zip((q, k, v), in_dims[:3], strict=True)]
-    mask, bias = (_fold(x, d, size, batch) for x, d in ((op.mask, dims.mask), (op.bias, dims.bias)))
+    mask, bias = (
+        _fold(op.mask, dims["mask"], size, batch),
+        _fold(op.bias, dims["bias"], size, batch),
+    )
     return size, batch, qkv, op._replace(mask=mask, bias=bias)
 
 

@@ -39,6 +39,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import overload
 
 import torch
 
@@ -182,7 +183,9 @@ class TileProblem:
         """Dropout keep-mask of a tile, `(B, Hkv, G, n, w)` bool."""
         rows = torch.arange(i0, i1, device=self.device).unsqueeze(1)
         cols = torch.arange(j0, j1, device=self.device)
-        return keep_mask(self.plan.dropout_seed, self.plan.dropout_p, self.bh5, rows, cols)
+        seed = self.plan.dropout_seed
+        assert seed is not None  # a plan with dropout has its seed
+        return keep_mask(seed, self.plan.dropout_p, self.bh5, rows, cols)
 
 
 def fold_run(
@@ -219,6 +222,7 @@ def fold_run(
     pv = guarded_pv(s, T.values(v, i0, i1, j0, j1), guarded)
     if m is None:
         return m_new, l_run, pv
+    assert l is not None and acc is not None  # they come with m
     alpha = torch.exp(m - m_use)  # (B, Hkv, G*n, 1) rescales what came before
     return m_new, l.mul_(alpha).add_(l_run), acc.mul_(alpha).add_(pv)
 
@@ -265,6 +269,7 @@ def forward_loop(
         m = l = acc = None
         for run in strip.runs:
             m, l, acc = fold_run(T, q_t, kc, vc, i0, i1, run, m, l, acc)
+        assert m is not None and l is not None and acc is not None  # a strip has runs
         empty = l == 0
         l_safe = torch.where(empty, 1.0, l)
         out[:, :, :, i0:i1] = (acc / l_safe).view(B, Hkv, G, n, Dv)
@@ -552,6 +557,12 @@ class Part:
         """`TileProblem`'s origin: (b, first query head, H)."""
         return self.b, self.heads.start, self.whole_heads
 
+    @overload
+    def rows(self, t: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def rows(self, t: None) -> None: ...
+    @overload
+    def rows(self, t: torch.Tensor | None) -> torch.Tensor | None: ...
     def rows(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """The part's `(1, G, …)` view of a `(B, H, …)` tensor (None stays None)."""
         return None if t is None else t[self.b : self.b + 1, self.heads]
