@@ -27,19 +27,13 @@ from typing import Protocol
 
 import torch
 
+from .specific import WordMap
 
-class AttentionMap(Protocol):
+
+class AttentionMap(WordMap, Protocol):
     """What the viewer reads of a `qkv.inspect.AttentionMap` (not imported: the map's notebook
-    display imports this module). Read-only, as the frozen map's fields are."""
-
-    @property
-    def words(self) -> list[str]: ...
-
-    @property
-    def weights(self) -> torch.Tensor: ...  # (L, H, W, W)
-
-    @property
-    def text(self) -> str: ...
+    display imports this module): what `specific` reads, and more. Read-only, as the frozen
+    map's fields are."""
 
     @property
     def model(self) -> str: ...
@@ -47,16 +41,11 @@ class AttentionMap(Protocol):
     @property
     def layers(self) -> int: ...
 
-    @property
-    def heads(self) -> int: ...
-
     def check(self, layer: int | None = None, head: int | None = None) -> None: ...
 
     def position(self, word: str | int) -> int: ...
 
     def note(self, lang: str = "en") -> str: ...
-
-    def rollout(self) -> torch.Tensor: ...
 
 
 PLACEHOLDER = "/*QKV_DATA*/"
