@@ -22,7 +22,8 @@ qkv's pure-PyTorch `tiled`, every figure a ratio against an anchor measured in t
   call) / (copy bandwidth), taken within each round and the median over rounds.
 - Small sizes: dense, N = Nq = Nk, fp32 and bf16: `cpu`, `sdpa` and `auto`, which below a size
   leaves plain requests to SDPA (the cpu/sdpa crossover: `qkv.dispatch.CROSSOVERS`, decided
-  by `CpuBackend.crossover`); the table names the backend `auto` picks for each pass (`qkv.dispatch`); times in µs.
+  by `CpuBackend.crossover`); the table names the backend `auto` picks for each pass
+  (`qkv.dispatch`); times in µs.
 - Memory: `cpu` forward + backward, each in a fresh process (the runner's probe). **beyond the
   caller's tensors** = the peak beyond the inputs minus what the call hands back to the caller
   (the output and dq, dk, dv: 4 × the size of q).
